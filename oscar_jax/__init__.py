@@ -1,0 +1,57 @@
+"""oscar-jax: OScaR INT2 KV-cache quantization in pure, functional JAX.
+
+Public API (shapes: B batch, T tokens, Hkv KV heads, Hq query heads, D head_dim)::
+
+    cfg = preset("oscar", bits=2)
+    k_hat = fake_quant_keys(k, cfg)                  # [B, T, Hkv, D]
+    cache = init_cache(cfg, batch=B, max_len=L, num_kv_heads=Hkv, head_dim=D)
+    cache = prefill(cache, k, v, lengths)            # [B, T, Hkv, D], [B]
+    cache = append(cache, k_t, v_t)                  # [B, Hkv, D]
+    out = decode_attention(q, cache)                 # [B, Hq, D]
+    k_deq, v_deq = dequantize(cache)                 # [B, L, Hkv, D]
+"""
+
+from oscar_jax.attention import (
+    decode_attention,
+    decode_attention_xla,
+    merge_partials,
+    register_decode_attention,
+)
+from oscar_jax.cache import (
+    FLAG_BAD_LENGTH,
+    FLAG_NONFINITE,
+    FLAG_OVERFLOW,
+    KVCache,
+    append,
+    cache_capacity_nbytes,
+    cache_nbytes,
+    dequantize,
+    init_cache,
+    prefill,
+)
+from oscar_jax.codec import (
+    EncodedKeys,
+    EncodedValues,
+    decode_keys,
+    decode_values,
+    encode,
+    encode_keys_xla,
+    encode_values_xla,
+    register_encoder,
+)
+from oscar_jax.config import METHODS, KVQuantConfig, preset
+from oscar_jax.fake_quant import fake_quant_keys, fake_quant_values
+from oscar_jax.hadamard import fwht, hadamard_matrix, rotate, rotation_matrix, unrotate
+from oscar_jax.quant import dequantize_groups, pack, quantize_groups, unpack
+from oscar_jax import diagnostics
+
+__all__ = [
+    "FLAG_BAD_LENGTH", "FLAG_NONFINITE", "FLAG_OVERFLOW", "METHODS", "EncodedKeys",
+    "EncodedValues", "KVCache", "KVQuantConfig", "append", "cache_capacity_nbytes",
+    "cache_nbytes", "decode_attention", "decode_attention_xla", "decode_keys",
+    "decode_values", "dequantize", "dequantize_groups", "diagnostics", "encode",
+    "encode_keys_xla", "encode_values_xla", "fake_quant_keys", "fake_quant_values", "fwht",
+    "hadamard_matrix", "init_cache", "merge_partials", "pack", "prefill", "preset",
+    "quantize_groups", "register_decode_attention", "register_encoder", "rotate",
+    "rotation_matrix", "unpack", "unrotate",
+]  # fmt: skip

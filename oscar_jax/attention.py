@@ -1,0 +1,143 @@
+"""Decode attention over the cache: the pure-JAX reference and the implementation switch.
+
+Einsum legend: b batch, h KV heads, g query heads per KV head (GQA ratio),
+t cache positions, d head_dim. Query heads are grouped as ``Hq = h * g`` with
+query head ``i`` reading KV head ``i // g`` (the Llama / Qwen convention).
+
+The reference dequantizes the quantized part in the rotated basis, scores it
+against the rotated query (``(Rq).(Rk) = q.k``), scores the full-precision
+residual against the plain query, and takes one softmax over both, so the
+result is exact for the stored values. A row with no tokens returns zeros.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from oscar_jax import codec, hadamard
+from oscar_jax.cache import KVCache, _residual_tokens, quantized_parts
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+def check_query(q, cache: KVCache) -> int:
+    """Validate q [B, Hq, D] against the cache; return the GQA ratio g."""
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache={type(cache).__name__} must be a KVCache")
+    shape = getattr(q, "shape", None)
+    if shape is None or len(shape) != 3:
+        raise ValueError(f"q.shape={shape} must be [batch, num_q_heads, head_dim]")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q.dtype={q.dtype} must be floating")
+    b, hq, d = shape
+    if b != cache.batch or d != cache.head_dim:
+        raise ValueError(
+            f"q.shape={shape} must match the cache's batch={cache.batch} and "
+            f"head_dim={cache.head_dim}"
+        )
+    if hq % cache.num_kv_heads:
+        raise ValueError(
+            f"num_q_heads={hq} must be a multiple of num_kv_heads={cache.num_kv_heads}"
+        )
+    return hq // cache.num_kv_heads
+
+
+def residual_scores(
+    qg: Float[Array, "b h g d"], cache: KVCache, scale: float
+) -> tuple[Float[Array, "b h g S"], Array]:
+    """Scores of the query against the residual ring, and the slots' validity [b, 1, 1, S]."""
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, cache.k_res.astype(jnp.float32), precision=HIGHEST)
+    _, ok = _residual_tokens(cache.num_quantized(), cache.lengths, cache.slots)
+    return s * scale, ok[:, None, None, :]
+
+
+def merge_partials(parts):
+    """Combine [(acc [b,h,g,d], m [b,h,g], l [b,h,g]), ...] into normalised outputs [b,h,g,d].
+
+    m is a running max (-inf for an empty part), l the sum of exp(s - m).
+    """
+    m = parts[0][1]
+    for _, mi, _ in parts[1:]:
+        m = jnp.maximum(m, mi)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    acc = 0.0
+    lse = 0.0
+    for a, mi, li in parts:
+        w = jnp.where(jnp.isfinite(mi), jnp.exp(mi - m_safe), 0.0)
+        acc = acc + a * w[..., None]
+        lse = lse + li * w
+    return jnp.where(lse[..., None] > 0, acc / jnp.where(lse > 0, lse, 1.0)[..., None], 0.0)
+
+
+def _softmax_part(s, valid, v):
+    """Masked scores s [b,h,g,t] and values v [b,h,t,d] -> (acc, max, sum)."""
+    s = jnp.where(valid, s, -jnp.inf)
+    m = jnp.max(s, axis=-1)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(valid, jnp.exp(s - m_safe[..., None]), 0.0)
+    acc = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=HIGHEST)
+    return acc, m, jnp.sum(p, axis=-1)
+
+
+def residual_partial(qg, cache: KVCache, scale: float):
+    """(acc, max, sum) over the full-precision residual ring, original basis."""
+    s, ok = residual_scores(qg, cache, scale)
+    return _softmax_part(s, ok, cache.v_res.astype(jnp.float32))
+
+
+def decode_attention_xla(
+    q: Float[Array, "B Hq D"], cache: KVCache, *, softmax_scale: float | None = None
+) -> Float[Array, "B Hq D"]:
+    """Reference decode attention (float32 inside), exact for the stored values."""
+    g = check_query(q, cache)
+    cfg = cache.cfg
+    b, hq, d = q.shape
+    h = cache.num_kv_heads
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    qg = q.astype(jnp.float32).reshape(b, h, g, d)
+    parts = [residual_partial(qg, cache, scale)]
+    if cache.quant_capacity:
+        ek, ev = quantized_parts(cache)
+        k_rot = codec.decode_keys(ek, cfg)  # [b, h, Lq, d] rotated basis, norms applied
+        v_rot = codec.decode_values(ev, cfg)
+        q_rot = hadamard.rotate(qg, cfg) if cfg.rotate_keys else qg
+        s = jnp.einsum("bhgd,bhtd->bhgt", q_rot, k_rot, precision=HIGHEST) * scale
+        valid = (jnp.arange(cache.quant_capacity)[None, :] < cache.num_quantized()[:, None])
+        acc, m, l = _softmax_part(s, valid[:, None, None, :], v_rot)
+        if cfg.rotate_values:
+            acc = hadamard.unrotate(acc, cfg)
+        parts.append((acc, m, l))
+    out = merge_partials(parts)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+# -- implementation switch ----------------------------------------------------------
+DecodeFn = Callable[..., Array]
+_DECODERS: dict[str, DecodeFn] = {"xla": decode_attention_xla}
+
+
+def register_decode_attention(name: str, fn: DecodeFn) -> None:
+    """Register ``fn(q, cache, *, softmax_scale=None, **options)`` under ``name``."""
+    _DECODERS[name] = fn
+
+
+def decode_attention(
+    q: Float[Array, "B Hq D"],
+    cache: KVCache,
+    *,
+    implementation: str = "xla",
+    softmax_scale: float | None = None,
+    **options,
+) -> Float[Array, "B Hq D"]:
+    """Attention of one query token per row over the cache (q after RoPE, original basis).
+
+    ``implementation``: "xla" (the pure-JAX reference) or "pallas" (the fused INT2
+    flash-decoding kernel from ``pallas_kernels``; interpret mode without a GPU).
+    """
+    fn = codec.lookup(_DECODERS, implementation, "decode_attention")
+    return fn(q, cache, softmax_scale=softmax_scale, **options)

@@ -1,0 +1,413 @@
+"""The immutable per-layer OScaR KV cache: a registered pytree with static capacity.
+
+Layout (head-major so that a decode kernel's tile of tokens is contiguous).
+Legend: B batch, H KV heads, Hn norm heads (H or 1), Lq quantized capacity,
+S residual slots, D head_dim, Db packed bytes per token, G key group,
+Gv value group.
+
+  k_codes [B, H, Lq, Db] uint8    k_scale, k_zero [B, H, Lq/G, D]   k_norm [B, Hn, Lq]
+  v_codes [B, H, Lq, Db] uint8    v_scale, v_zero [B, H, Lq, D/Gv]
+  k_res, v_res [B, H, S, D] (cache dtype, original basis)
+  lengths [B] int32 (tokens stored per row)   flags [B] int32 (FLAG_* bits)
+
+Row i with n_i tokens holds its oldest nq_i = G * floor(max(0, n_i - R) / G)
+tokens quantized at positions [0, nq_i) and the rest, n_i - nq_i in
+[min(n_i, R), R + G - 1], in the residual ring: token t lives in slot t mod S,
+S = R + G. When an append brings a row's residual to R + G tokens, its oldest
+G are quantized as one group (a "flush") and their slots zeroed. The state is
+canonical: every unused position is zero, so ``append`` token by token and
+``prefill`` of the same tokens give bit-identical pytrees. For ``bf16`` the
+quantized part is empty and the ring has S = max_len slots (no flush).
+
+Lq is rounded up to a multiple of max(G, 256) tokens, the decode kernel's tile.
+
+Capacity: an ``append`` to a full row writes nothing, keeps its length and
+sets ``FLAG_OVERFLOW`` in ``flags`` (under ``jit`` nothing can raise). Non-finite
+keys or values set ``FLAG_NONFINITE`` for that row; other rows are untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from oscar_jax import codec
+from oscar_jax.config import KVQuantConfig
+
+FLAG_OVERFLOW = 1  # an append found the row full; the token was dropped
+FLAG_NONFINITE = 2  # a key or value of the row held NaN or Inf
+FLAG_BAD_LENGTH = 4  # prefill got a length outside [0, T]; it was clipped
+KERNEL_TILE = 256
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=[
+        "k_codes", "k_scale", "k_zero", "k_norm", "v_codes", "v_scale", "v_zero",
+        "k_res", "v_res", "lengths", "flags",
+    ],
+    meta_fields=["cfg", "max_len"],
+)  # fmt: skip
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k_codes: Array
+    k_scale: Array
+    k_zero: Array
+    k_norm: Array
+    v_codes: Array
+    v_scale: Array
+    v_zero: Array
+    k_res: Array
+    v_res: Array
+    lengths: Array
+    flags: Array
+    cfg: KVQuantConfig
+    max_len: int
+
+    @property
+    def batch(self) -> int:
+        return self.k_res.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_res.shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_res.shape[3]
+
+    @property
+    def dtype(self):
+        return self.k_res.dtype
+
+    @property
+    def slots(self) -> int:
+        return self.k_res.shape[2]
+
+    @property
+    def quant_capacity(self) -> int:
+        return self.k_codes.shape[2]
+
+    def num_quantized(self) -> Int[Array, "B"]:
+        """nq per row: tokens in the quantized part."""
+        return quantized_count(self.lengths, self.cfg)
+
+
+def quantized_count(n: Array, cfg: KVQuantConfig) -> Array:
+    if not cfg.quantized:
+        return jnp.zeros_like(n)
+    g, r = cfg.group_size, cfg.residual_length
+    return (jnp.maximum(n - r, 0) // g) * g
+
+
+def _check_int(name: str, val) -> None:
+    if isinstance(val, bool) or not isinstance(val, int | np.integer) or val < 1:
+        raise ValueError(f"{name}={val!r} must be a positive int")
+
+
+def init_cache(
+    cfg: KVQuantConfig,
+    *,
+    batch: int,
+    max_len: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype=jnp.bfloat16,
+) -> KVCache:
+    """An empty cache for one layer that can hold ``max_len`` tokens per row."""
+    if not isinstance(cfg, KVQuantConfig):
+        raise ValueError(f"cfg={cfg!r} must be a KVQuantConfig (see oscar_jax.preset)")
+    for name, val in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads)):
+        _check_int(name, val)
+    cfg.validate_head_dim(head_dim)
+    if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise ValueError(f"{dtype=} must be a floating dtype")
+    b, h, d = batch, num_kv_heads, head_dim
+    if cfg.quantized:
+        g, r = cfg.group_size, cfg.residual_length
+        raw = (max(0, max_len - r) // g) * g
+        tile = max(g, KERNEL_TILE)
+        lq = -(-raw // tile) * tile
+        slots = r + g
+        db = d * cfg.bits // 8
+        gv = cfg.value_group(d)
+    else:
+        lq, slots, db, gv, g = 0, max_len, 0, d, 1
+    hn = h if cfg.norm_granularity == "per_head" else 1
+    pdt, ndt = cfg.scale_dtype, cfg.norm_jnp_dtype
+    z = jnp.zeros
+    return KVCache(
+        k_codes=z((b, h, lq, db), jnp.uint8),
+        k_scale=z((b, h, lq // g, d), pdt),
+        k_zero=z((b, h, lq // g, d), pdt),
+        k_norm=z((b, hn, lq), ndt),
+        v_codes=z((b, h, lq, db), jnp.uint8),
+        v_scale=z((b, h, lq, d // gv), pdt),
+        v_zero=z((b, h, lq, d // gv), pdt),
+        k_res=z((b, h, slots, d), dtype),
+        v_res=z((b, h, slots, d), dtype),
+        lengths=z((b,), jnp.int32),
+        flags=z((b,), jnp.int32),
+        cfg=cfg,
+        max_len=max_len,
+    )
+
+
+def _check_kv(cache: KVCache, k, v, rank: int, what: str) -> None:
+    if not isinstance(cache, KVCache):
+        raise ValueError(f"cache={type(cache).__name__} must be a KVCache (see init_cache)")
+    for name, x in (("k", k), ("v", v)):
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) != rank:
+            raise ValueError(f"{name}.shape={shape} must have rank {rank}: {what}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name}.dtype={x.dtype} must be floating")
+    if k.shape != v.shape:
+        raise ValueError(f"k.shape={k.shape} must equal v.shape={v.shape}")
+    b, h, d = k.shape[0], k.shape[-2], k.shape[-1]
+    want = (cache.batch, cache.num_kv_heads, cache.head_dim)
+    if (b, h, d) != want:
+        raise ValueError(
+            f"k.shape={k.shape} must have (batch, num_kv_heads, head_dim)={want} "
+            "to match the cache"
+        )
+
+
+def _nonfinite_rows(k, v) -> Array:
+    axes = tuple(range(1, k.ndim))
+    bad = ~(jnp.all(jnp.isfinite(k), axis=axes) & jnp.all(jnp.isfinite(v), axis=axes))
+    return jnp.where(bad, FLAG_NONFINITE, 0).astype(jnp.int32)
+
+
+def _residual_tokens(nq: Array, n: Array, slots: int) -> tuple[Array, Array]:
+    """Token index held by each ring slot, and whether it is valid: [B, S] each."""
+    s = jnp.arange(slots, dtype=jnp.int32)[None, :]
+    t = nq[:, None] + jnp.mod(s - nq[:, None], slots)
+    return t, t < n[:, None]
+
+
+def prefill(
+    cache: KVCache,
+    k: Float[Array, "B T H D"],
+    v: Float[Array, "B T H D"],
+    lengths: Int[Array, "B"] | None = None,
+    *,
+    implementation: str = "xla",
+    **options,
+) -> KVCache:
+    """Write a prompt of T tokens (row i: its first lengths[i]) into the cache.
+
+    The previous contents are replaced (prefill starts a sequence). Lengths outside
+    [0, T] are clipped and flagged with FLAG_BAD_LENGTH. ``implementation`` picks
+    the encoder of the quantized part ("xla" or "pallas"); ``options`` go to it.
+    """
+    _check_kv(cache, k, v, 4, "[batch, tokens, num_kv_heads, head_dim]")
+    b, t = k.shape[:2]
+    if t > cache.max_len:
+        raise ValueError(f"prompt length T={t} must be <= the cache's max_len={cache.max_len}")
+    cfg = cache.cfg
+    if lengths is None:
+        n = jnp.full((b,), t, jnp.int32)
+        bad = jnp.zeros((b,), jnp.int32)
+    else:
+        lengths = jnp.asarray(lengths)
+        if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+            raise ValueError(f"lengths.shape={lengths.shape} must be ({b},) of integers")
+        n = jnp.clip(lengths, 0, t).astype(jnp.int32)
+        bad = jnp.where(n != lengths, FLAG_BAD_LENGTH, 0).astype(jnp.int32)
+    empty = init_cache(
+        cfg, batch=b, max_len=cache.max_len, num_kv_heads=cache.num_kv_heads,
+        head_dim=cache.head_dim, dtype=cache.dtype,
+    )  # fmt: skip
+    kh = jnp.swapaxes(k, 1, 2)  # [B, H, T, D]
+    vh = jnp.swapaxes(v, 1, 2)
+    valid_tok = (jnp.arange(t)[None, :] < n[:, None])[:, None, :, None]
+    flags = bad | _nonfinite_rows(
+        jnp.where(valid_tok, kh, 0), jnp.where(valid_tok, vh, 0)
+    )
+    nq = quantized_count(n, cfg)
+    fields = {}
+    if cfg.quantized:
+        g, r = cfg.group_size, cfg.residual_length
+        tq = (max(0, t - r) // g) * g  # static upper bound of nq
+        if tq:
+            ek, ev = codec.encode(
+                kh[:, :, :tq].astype(cache.dtype), vh[:, :, :tq].astype(cache.dtype), cfg,
+                implementation=implementation, **options,
+            )  # fmt: skip
+            tok_ok = jnp.arange(tq)[None, :] < nq[:, None]  # [B, tq]
+            grp_ok = tok_ok[:, ::g]
+
+            def put(dst, src, ok, axis_len):
+                m = ok.reshape(b, 1, axis_len, *([1] * (src.ndim - 3)))
+                src = jnp.where(m, src, jnp.zeros((), src.dtype))
+                return dst.at[:, :, :axis_len].set(src.astype(dst.dtype))
+
+            fields = dict(
+                k_codes=put(empty.k_codes, ek.codes, tok_ok, tq),
+                k_scale=put(empty.k_scale, ek.scale, grp_ok, tq // g),
+                k_zero=put(empty.k_zero, ek.zero, grp_ok, tq // g),
+                k_norm=put(empty.k_norm, ek.norm, tok_ok, tq),
+                v_codes=put(empty.v_codes, ev.codes, tok_ok, tq),
+                v_scale=put(empty.v_scale, ev.scale, tok_ok, tq),
+                v_zero=put(empty.v_zero, ev.zero, tok_ok, tq),
+            )
+    tok, ok = _residual_tokens(nq, n, cache.slots)
+    idx = jnp.clip(tok, 0, t - 1)[:, None, :, None]
+    okm = ok[:, None, :, None]
+
+    def ring(x):
+        g_ = jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape[2:3] + x.shape[3:]), 2)
+        return jnp.where(okm, g_, 0).astype(cache.dtype)
+
+    return dataclasses.replace(
+        empty, k_res=ring(kh), v_res=ring(vh), lengths=n, flags=flags, **fields
+    )
+
+
+def append(
+    cache: KVCache,
+    k_t: Float[Array, "B H D"],
+    v_t: Float[Array, "B H D"],
+    *,
+    implementation: str = "xla",
+    **options,
+) -> KVCache:
+    """Add one token per row; flush a whole group of G to the quantized part when due.
+
+    A full row (length == max_len) is left unchanged and gets FLAG_OVERFLOW.
+    ``implementation`` picks the encoder used by flushes ("xla" or "pallas").
+    """
+    _check_kv(cache, k_t, v_t, 3, "[batch, num_kv_heads, head_dim]")
+    cfg = cache.cfg
+    b = cache.batch
+    n = cache.lengths
+    ok = n < cache.max_len
+    flags = cache.flags | jnp.where(ok, 0, FLAG_OVERFLOW) | _nonfinite_rows(k_t, v_t)
+    slot = jnp.mod(n, cache.slots)
+    rows = jnp.arange(b)
+
+    def write(res, x):
+        old = res[rows, :, slot]  # [B, H, D]
+        new = jnp.where(ok[:, None, None], x.astype(res.dtype), old)
+        return res.at[rows, :, slot].set(new)
+
+    n_new = n + ok.astype(jnp.int32)
+    out = dataclasses.replace(
+        cache, k_res=write(cache.k_res, k_t), v_res=write(cache.v_res, v_t),
+        lengths=n_new, flags=flags,
+    )  # fmt: skip
+    if not cfg.quantized:
+        return out
+    nq_old = quantized_count(n, cfg)
+    flush = quantized_count(n_new, cfg) > nq_old  # [B]
+    return jax.lax.cond(
+        jnp.any(flush),
+        lambda c: _flush(c, nq_old, flush, implementation, options),
+        lambda c: c,
+        out,
+    )
+
+
+def _flush(cache: KVCache, nq: Array, flush: Array, implementation: str, options) -> KVCache:
+    """Quantize each flushing row's oldest residual group (tokens nq..nq+G-1)."""
+    cfg = cache.cfg
+    g = cfg.group_size
+    start = jnp.mod(nq, cache.slots)  # multiple of G since S is
+    take = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, g, axis=1))
+    kg, vg = take(cache.k_res, start), take(cache.v_res, start)  # [B, H, G, D]
+    ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
+
+    def put(dst, src, pos):
+        def one(d, s, p, f):
+            old = jax.lax.dynamic_slice_in_dim(d, p, s.shape[1], axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(d, jnp.where(f, s, old), p, axis=1)
+
+        return jax.vmap(one)(dst, src.astype(dst.dtype), pos, flush)
+
+    def clear(res):
+        def one(r, s, f):
+            old = jax.lax.dynamic_slice_in_dim(r, s, g, axis=1)
+            return jax.lax.dynamic_update_slice_in_dim(r, jnp.where(f, 0, old), s, axis=1)
+
+        return jax.vmap(one)(res, start, flush)
+
+    return dataclasses.replace(
+        cache,
+        k_codes=put(cache.k_codes, ek.codes, nq),
+        k_scale=put(cache.k_scale, ek.scale, nq // g),
+        k_zero=put(cache.k_zero, ek.zero, nq // g),
+        k_norm=put(cache.k_norm, ek.norm, nq),
+        v_codes=put(cache.v_codes, ev.codes, nq),
+        v_scale=put(cache.v_scale, ev.scale, nq),
+        v_zero=put(cache.v_zero, ev.zero, nq),
+        k_res=clear(cache.k_res),
+        v_res=clear(cache.v_res),
+    )
+
+
+def quantized_parts(cache: KVCache) -> tuple[codec.EncodedKeys, codec.EncodedValues]:
+    """The quantized part as encoded blocks (all Lq positions; rows valid up to nq)."""
+    return (
+        codec.EncodedKeys(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm),
+        codec.EncodedValues(cache.v_codes, cache.v_scale, cache.v_zero),
+    )
+
+
+def dequantize(cache: KVCache) -> tuple[Float[Array, "B L H D"], Float[Array, "B L H D"]]:
+    """Keys and values as stored, [B, max_len, H, D] float32, original basis, zeros past length."""
+    b, h, d, L = cache.batch, cache.num_kv_heads, cache.head_dim, cache.max_len
+    n, nq = cache.lengths, cache.num_quantized()
+    k = jnp.zeros((b, h, L, d), jnp.float32)
+    v = jnp.zeros((b, h, L, d), jnp.float32)
+    lq = min(cache.quant_capacity, L)
+    if lq:
+        ek, ev = quantized_parts(cache)
+        kq = codec.decode_keys(ek, cache.cfg, rotated=False)[:, :, :lq]
+        vq = codec.decode_values(ev, cache.cfg, rotated=False)[:, :, :lq]
+        m = (jnp.arange(lq)[None, :] < nq[:, None])[:, None, :, None]
+        k = k.at[:, :, :lq].set(jnp.where(m, kq, 0))
+        v = v.at[:, :, :lq].set(jnp.where(m, vq, 0))
+    tok, ok = _residual_tokens(nq, n, cache.slots)
+    pos = jnp.where(ok, tok, L)  # invalid slots scatter out of bounds and are dropped
+    rows = jnp.arange(b)[:, None]
+    k = jnp.swapaxes(k, 1, 2).at[rows, pos].set(
+        jnp.swapaxes(cache.k_res, 1, 2).astype(jnp.float32), mode="drop"
+    )
+    v = jnp.swapaxes(v, 1, 2).at[rows, pos].set(
+        jnp.swapaxes(cache.v_res, 1, 2).astype(jnp.float32), mode="drop"
+    )
+    return k, v
+
+
+def _per_token_bytes(cache: KVCache) -> tuple[float, int]:
+    """(quantized bytes per token, residual bytes per token) over all heads of one row."""
+    cfg, h, d = cache.cfg, cache.num_kv_heads, cache.head_dim
+    res = 2 * h * d * jnp.dtype(cache.dtype).itemsize
+    if not cfg.quantized:
+        return 0.0, res
+    p = jnp.dtype(cfg.scale_dtype).itemsize
+    hn = cache.k_norm.shape[1]
+    per = 2 * h * d * cfg.bits / 8  # K and V codes
+    per += h * 2 * d * p / cfg.group_size  # K scale + zero, amortised over G tokens
+    per += h * 2 * (d // cfg.value_group(d)) * p  # V scale + zero
+    per += hn * jnp.dtype(cfg.norm_dtype).itemsize
+    return per, res
+
+
+def cache_nbytes(cache: KVCache) -> int:
+    """Bytes the cache holds for the tokens stored (codes, params, norms, residual); host-side."""
+    n = np.asarray(cache.lengths, np.int64)
+    nq = np.asarray(cache.num_quantized(), np.int64)
+    per_q, per_r = _per_token_bytes(cache)
+    return int(round(float(np.sum(nq) * per_q + np.sum(n - nq) * per_r)))
+
+
+def cache_capacity_nbytes(cache: KVCache) -> int:
+    """Bytes allocated by the cache's arrays (what the device holds)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(cache)))

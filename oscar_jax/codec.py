@@ -1,0 +1,145 @@
+"""Encoding of key and value blocks into the cache's packed layout, and back.
+
+All arrays here are head-major, the cache's layout. Legend of shape letters:
+B batch, H KV heads, Hn norm heads (H for ``per_head``, 1 for ``per_token``),
+T tokens (a multiple of G), D head_dim, Db = D * bits / 8 packed bytes,
+G key group (tokens), Gv value group (channels).
+
+Keys (``encode_keys``): rotate (``rotate_keys``), divide by the stored l2 norm
+(``token_scaling``; a zero-norm key stays zero and stores norm 0, so no NaN),
+quantize per channel over G consecutive tokens, pack along channels.
+Values (``encode_values``): rotate (``rotate_values``), quantize per token over
+Gv consecutive channels, pack along channels.
+
+``register_encoder`` lets ``pallas_kernels`` provide a fused implementation
+selected with ``implementation="pallas"``; this module stays pure JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float, UInt8
+
+from oscar_jax import hadamard, quant
+from oscar_jax.config import KVQuantConfig
+
+
+class EncodedKeys(NamedTuple):
+    codes: UInt8[Array, "B H T Db"]
+    scale: Array  # [B, H, T/G, D] param dtype
+    zero: Array  # [B, H, T/G, D] param dtype
+    norm: Array  # [B, Hn, T] norm dtype (ones when token_scaling is off)
+
+
+class EncodedValues(NamedTuple):
+    codes: UInt8[Array, "B H T Db"]
+    scale: Array  # [B, H, T, D/Gv] param dtype
+    zero: Array  # [B, H, T, D/Gv] param dtype
+
+
+def token_l2_norm(x: Float[Array, "B H T D"], granularity: str) -> Float[Array, "B Hn T"]:
+    """Overflow-safe l2 norm per (token, head) or per token over all heads (float32)."""
+    axes = (-1,) if granularity == "per_head" else (1, 3)
+    xf = x.astype(jnp.float32)
+    if granularity == "per_token":
+        xf = jnp.swapaxes(xf, 1, 2)[:, None]  # [B, 1, T, H, D]
+        axes = (-2, -1)
+    m = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+    m_safe = jnp.where(m > 0, m, 1.0)
+    n = m_safe * jnp.sqrt(jnp.sum(jnp.square(xf / m_safe), axis=axes, keepdims=True))
+    n = jnp.where(m > 0, n, 0.0)
+    return n.reshape(n.shape[:3])
+
+
+def encode_keys_xla(k: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedKeys:
+    """Pure-JAX reference: rotate -> token-scale -> per-channel group quantize -> pack."""
+    x = k.astype(jnp.float32)
+    if cfg.rotate_keys:
+        x = hadamard.rotate(x, cfg)
+    b, h, t, _ = x.shape
+    hn = h if cfg.norm_granularity == "per_head" else 1
+    if cfg.token_scaling:
+        norm = token_l2_norm(x, cfg.norm_granularity).astype(cfg.norm_jnp_dtype)
+        n32 = norm.astype(jnp.float32)[..., None]  # [B, Hn, T, 1] divides by the stored norm
+        x = x / jnp.where(n32 > 0, n32, 1.0)
+    else:
+        norm = jnp.ones((b, hn, t), cfg.norm_jnp_dtype)
+    codes, scale, zero = quant.quantize_groups(x, cfg.bits, cfg.group_size, 2, cfg.scale_dtype)
+    return EncodedKeys(quant.pack(codes, cfg.bits, axis=-1), scale, zero, norm)
+
+
+def encode_values_xla(v: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedValues:
+    """Pure-JAX reference: rotate -> per-token channel-group quantize -> pack."""
+    x = v.astype(jnp.float32)
+    if cfg.rotate_values:
+        x = hadamard.rotate(x, cfg)
+    gv = cfg.value_group(x.shape[-1])
+    codes, scale, zero = quant.quantize_groups(x, cfg.bits, gv, 3, cfg.scale_dtype)
+    return EncodedValues(quant.pack(codes, cfg.bits, axis=-1), scale, zero)
+
+
+def decode_keys(
+    enc: EncodedKeys, cfg: KVQuantConfig, *, rotated: bool = True
+) -> Float[Array, "B H T D"]:
+    """Dequantized keys times their norms (float32); in the rotated basis unless rotated=False."""
+    codes = quant.unpack(enc.codes, cfg.bits, axis=-1)
+    x = quant.dequantize_groups(codes, enc.scale, enc.zero, cfg.group_size, axis=2)
+    x = x * enc.norm.astype(jnp.float32)[..., None]
+    if not rotated and cfg.rotate_keys:
+        x = hadamard.unrotate(x, cfg)
+    return x
+
+
+def decode_values(
+    enc: EncodedValues, cfg: KVQuantConfig, *, rotated: bool = True
+) -> Float[Array, "B H T D"]:
+    """Dequantized values (float32); in the rotated basis unless rotated=False."""
+    codes = quant.unpack(enc.codes, cfg.bits, axis=-1)
+    x = quant.dequantize_groups(codes, enc.scale, enc.zero, cfg.value_group(codes.shape[-1]), 3)
+    if not rotated and cfg.rotate_values:
+        x = hadamard.unrotate(x, cfg)
+    return x
+
+
+# -- implementation registry ----------------------------------------------------------
+Encoder = Callable[..., tuple[EncodedKeys, EncodedValues]]
+
+
+def _encode_xla(k, v, cfg: KVQuantConfig, **unused) -> tuple[EncodedKeys, EncodedValues]:
+    if unused:
+        raise ValueError(f"implementation='xla' takes no tuning options, got {sorted(unused)}")
+    return encode_keys_xla(k, cfg), encode_values_xla(v, cfg)
+
+
+_ENCODERS: dict[str, Encoder] = {"xla": _encode_xla}
+_PLUGINS = {"pallas": "pallas_kernels"}
+
+
+def register_encoder(name: str, fn: Encoder) -> None:
+    """Register ``fn(k, v, cfg, **options) -> (EncodedKeys, EncodedValues)`` under ``name``."""
+    _ENCODERS[name] = fn
+
+
+def lookup(table: dict, name: str, what: str):
+    """Find an implementation, importing its plugin package (e.g. pallas_kernels) on first use."""
+    if name not in table and name in _PLUGINS:
+        importlib.import_module(_PLUGINS[name])  # registers itself on import
+    if name not in table:
+        raise ValueError(f"implementation={name!r} must be one of {sorted(table)} for {what}")
+    return table[name]
+
+
+def encode(
+    k: Float[Array, "B H T D"],
+    v: Float[Array, "B H T D"],
+    cfg: KVQuantConfig,
+    *,
+    implementation: str = "xla",
+    **options,
+) -> tuple[EncodedKeys, EncodedValues]:
+    """Encode a block of keys and values (T a multiple of G) with the chosen implementation."""
+    return lookup(_ENCODERS, implementation, "encoding")(k, v, cfg, **options)

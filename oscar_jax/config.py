@@ -1,0 +1,159 @@
+"""Method presets: one frozen, validated config per KV-cache quantization method.
+
+A config is hashable and static under ``jit``: it decides shapes and code paths,
+never values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+Method = Literal["bf16", "kivi", "ots_only", "rotation_only", "oscar"]
+NormGranularity = Literal["per_head", "per_token"]
+RotationKind = Literal["hadamard", "randomized_hadamard", "random_orthogonal", "none"]
+
+METHODS: tuple[str, ...] = ("bf16", "kivi", "ots_only", "rotation_only", "oscar")
+SUPPORTED_BITS: tuple[int, ...] = (1, 2, 3, 4, 8)
+NORM_GRANULARITIES: tuple[str, ...] = ("per_head", "per_token")
+ROTATION_KINDS: tuple[str, ...] = ("hadamard", "randomized_hadamard", "random_orthogonal", "none")
+PARAM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVQuantConfig:
+    """How one layer's KV cache is stored.
+
+    Attributes:
+      method: which of the paper's methods (see ``preset``).
+      bits: code width for keys and values; 16 means "not quantized" (``bf16``).
+      group_size: G. Keys: one scale/zero per channel per G consecutive tokens.
+        Values: one scale/zero per token per G consecutive channels (capped at
+        head_dim, see ``value_group(head_dim)``).
+      residual_length: R. The newest R tokens (up to R + G - 1) stay in full
+        precision; older ones are quantized in whole groups of G.
+      rotate_keys: apply the channel rotation to keys (and the query) before quantizing.
+      token_scaling: divide each rotated key by its l2 norm and keep the norm (OTS).
+      rotate_values: rotate values before quantizing (undone on the attention output).
+      norm_granularity: ``per_head`` (one norm per token and KV head) or ``per_token``
+        (one norm per token over all KV heads, as the official CUDA code does).
+      rotation: the rotation kind; ``hadamard`` is the method's, the others are ablations.
+      rotation_seed: seed of the random rotations (ignored for ``hadamard``).
+      param_dtype: dtype of the scales and zeros (name, e.g. ``"bfloat16"``).
+      norm_dtype: dtype of the stored token norms.
+    """
+
+    method: str = "oscar"
+    bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    rotate_keys: bool = True
+    token_scaling: bool = True
+    rotate_values: bool = True
+    norm_granularity: str = "per_head"
+    rotation: str = "hadamard"
+    rotation_seed: int = 0
+    param_dtype: str = "bfloat16"
+    norm_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"{self.method=} must be one of {METHODS}")
+        if self.method == "bf16":
+            if self.bits != 16:
+                raise ValueError(f"{self.bits=} must be 16 for method 'bf16'")
+        elif self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"{self.bits=} must be one of {SUPPORTED_BITS}")
+        for name in ("group_size", "residual_length", "rotation_seed"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int | np.integer):
+                raise ValueError(f"{name}={val!r} must be an int")
+        if self.group_size < 1 or self.group_size & (self.group_size - 1):
+            raise ValueError(f"{self.group_size=} must be a positive power of two")
+        if self.residual_length < 0 or self.residual_length % self.group_size:
+            raise ValueError(
+                f"{self.residual_length=} must be >= 0 and a multiple of "
+                f"group_size={self.group_size}"
+            )
+        if self.norm_granularity not in NORM_GRANULARITIES:
+            raise ValueError(f"{self.norm_granularity=} must be one of {NORM_GRANULARITIES}")
+        if self.rotation not in ROTATION_KINDS:
+            raise ValueError(f"{self.rotation=} must be one of {ROTATION_KINDS}")
+        if self.param_dtype not in PARAM_DTYPES:
+            raise ValueError(f"{self.param_dtype=} must be one of {PARAM_DTYPES}")
+        if self.norm_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"{self.norm_dtype=} must be float32, bfloat16 or float16")
+        if (self.rotate_keys or self.rotate_values) and self.rotation == "none":
+            raise ValueError(
+                f"{self.rotation=} conflicts with rotate_keys={self.rotate_keys}, "
+                f"rotate_values={self.rotate_values}"
+            )
+
+    # -- derived, static properties -------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.method != "bf16"
+
+    @property
+    def levels(self) -> int:
+        return (1 << self.bits) - 1
+
+    @property
+    def scale_dtype(self) -> Any:
+        return jnp.dtype(self.param_dtype)
+
+    @property
+    def norm_jnp_dtype(self) -> Any:
+        return jnp.dtype(self.norm_dtype)
+
+    def value_group(self, head_dim: int) -> int:
+        """Channels per value group: G, capped at head_dim."""
+        return min(self.group_size, head_dim)
+
+    def validate_head_dim(self, head_dim: int, name: str = "head_dim") -> None:
+        """Raise ValueError when head_dim cannot be stored with this config."""
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int | np.integer):
+            raise ValueError(f"{name}={head_dim!r} must be an int")
+        if head_dim < 8 or head_dim % 8:
+            raise ValueError(f"{name}={head_dim} must be a positive multiple of 8")
+        if self.quantized and head_dim % self.value_group(head_dim):
+            raise ValueError(
+                f"{name}={head_dim} must be a multiple of group_size={self.group_size} "
+                "(values are grouped along channels)"
+            )
+
+    def replace(self, **kw) -> KVQuantConfig:
+        return dataclasses.replace(self, **kw)
+
+
+_PRESETS: dict[str, dict[str, Any]] = {
+    "bf16": dict(bits=16, rotate_keys=False, token_scaling=False, rotate_values=False),
+    "kivi": dict(rotate_keys=False, token_scaling=False, rotate_values=False),
+    "ots_only": dict(rotate_keys=False, token_scaling=True, rotate_values=False),
+    "rotation_only": dict(rotate_keys=True, token_scaling=False, rotate_values=True),
+    "oscar": dict(rotate_keys=True, token_scaling=True, rotate_values=True),
+}
+
+
+def preset(method: str = "oscar", **overrides: Any) -> KVQuantConfig:
+    """The config of a named method, with keyword overrides.
+
+    ``bf16``: no quantization. ``kivi``: per-channel keys / per-token values, no
+    rotation or scaling. ``ots_only``: token l2 scaling without rotation (the
+    paper's failure mode). ``rotation_only``: Hadamard rotation only. ``oscar``:
+    rotation + omni-token scaling.
+    """
+    if method not in _PRESETS:
+        raise ValueError(f"{method=} must be one of {tuple(_PRESETS)}")
+    fields = {f.name for f in dataclasses.fields(KVQuantConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"overrides {unknown} must be fields of KVQuantConfig: {sorted(fields)}")
+    kw = dict(_PRESETS[method])
+    kw.update(overrides)
+    if method != "bf16" and "rotation" not in kw and not (kw["rotate_keys"] or kw["rotate_values"]):
+        kw["rotation"] = "none"
+    return KVQuantConfig(method=method, **kw)

@@ -1,0 +1,116 @@
+"""Channel rotations over the last axis: fast Walsh-Hadamard and ablations.
+
+``fwht`` is the orthonormal Walsh-Hadamard transform in O(d log d) (log2(d)
+butterfly stages, no d x d matmul). For a head size that is not a power of two
+(80, 96, 192, ...) the rotation is block-diagonal: ``d`` is cut into equal
+blocks of the largest power of two that divides it (96 -> 3 blocks of 32,
+192 -> 3 blocks of 64), each transformed on its own. The normalised
+Walsh-Hadamard matrix is symmetric and its own inverse, so the same call
+rotates and un-rotates.
+
+Ablations: ``randomized_hadamard`` (H diag(s), random signs s) and
+``random_orthogonal`` (Q of a seeded Gaussian's QR). Their matrices are built
+with numpy at trace time, so they are static constants of the config.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from oscar_jax.config import KVQuantConfig
+
+
+def hadamard_block_size(d: int) -> int:
+    """Largest power of two dividing ``d``: the block of the block-diagonal Hadamard."""
+    if d < 1:
+        raise ValueError(f"{d=} must be positive")
+    return d & -d
+
+
+def fwht(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
+    """Orthonormal (block-diagonal) fast Walsh-Hadamard transform of the last axis.
+
+    Computed in float32 at least; returns x's dtype.
+    """
+    d = x.shape[-1]
+    b = hadamard_block_size(d)
+    dtype = x.dtype
+    y = x.astype(jnp.promote_types(dtype, jnp.float32))
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, d // b, b)
+    h = 1
+    while h < b:
+        y = y.reshape(*lead, d // b, b // (2 * h), 2, h)
+        a, c = y[..., 0, :], y[..., 1, :]
+        y = jnp.stack([a + c, a - c], axis=-2)
+        h *= 2
+    y = y.reshape(*lead, d) * (1.0 / np.sqrt(b))
+    return y.astype(dtype)
+
+
+def hadamard_matrix(d: int) -> np.ndarray:
+    """The dense (block-diagonal) orthonormal Hadamard matrix, float64, for tests and kernels."""
+    b = hadamard_block_size(d)
+    h = np.ones((1, 1))
+    while h.shape[0] < b:
+        h = np.block([[h, h], [h, -h]])
+    h = h / np.sqrt(b)
+    return np.kron(np.eye(d // b), h)
+
+
+@functools.lru_cache(maxsize=64)
+def _random_signs(d: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).choice([-1.0, 1.0], size=d)
+
+
+@functools.lru_cache(maxsize=64)
+def _random_orthogonal(d: int, seed: int) -> np.ndarray:
+    g = np.random.default_rng(seed).standard_normal((d, d))
+    q, r = np.linalg.qr(g)
+    return q * np.sign(np.diag(r))[None, :]  # Haar-distributed, deterministic
+
+
+def rotation_matrix(cfg: KVQuantConfig, d: int) -> np.ndarray:
+    """The d x d orthogonal matrix R of the config: ``rotate(x) = x @ R.T`` (float64)."""
+    if cfg.rotation == "hadamard":
+        return hadamard_matrix(d)
+    if cfg.rotation == "randomized_hadamard":
+        return hadamard_matrix(d) * _random_signs(d, cfg.rotation_seed)[None, :]
+    if cfg.rotation == "random_orthogonal":
+        return _random_orthogonal(d, cfg.rotation_seed)
+    return np.eye(d)
+
+
+def rotate(x: Float[Array, "... d"], cfg: KVQuantConfig) -> Float[Array, "... d"]:
+    """Apply the config's rotation R to the last axis (returns x's dtype, computed in f32)."""
+    d = x.shape[-1]
+    if cfg.rotation == "none":
+        return x
+    if cfg.rotation == "hadamard":
+        return fwht(x)
+    if cfg.rotation == "randomized_hadamard":
+        signs = jnp.asarray(_random_signs(d, cfg.rotation_seed), jnp.float32)
+        return fwht(x.astype(jnp.float32) * signs).astype(x.dtype)
+    r = jnp.asarray(rotation_matrix(cfg, d), jnp.float32)
+    y = jnp.einsum("...d,ed->...e", x.astype(jnp.float32), r, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+def unrotate(y: Float[Array, "... d"], cfg: KVQuantConfig) -> Float[Array, "... d"]:
+    """Apply R^T (the inverse rotation) to the last axis."""
+    d = y.shape[-1]
+    if cfg.rotation == "none":
+        return y
+    if cfg.rotation == "hadamard":
+        return fwht(y)
+    if cfg.rotation == "randomized_hadamard":
+        signs = jnp.asarray(_random_signs(d, cfg.rotation_seed), jnp.float32)
+        return (fwht(y.astype(jnp.float32)) * signs).astype(y.dtype)
+    r = jnp.asarray(rotation_matrix(cfg, d), jnp.float32)
+    x = jnp.einsum("...e,ed->...d", y.astype(jnp.float32), r, precision=jax.lax.Precision.HIGHEST)
+    return x.astype(y.dtype)

@@ -1,0 +1,7 @@
+"""Pallas GPU kernels (lowered through Triton) for the OScaR cache.
+
+Importing this package registers the ``implementation="pallas"`` paths of
+``oscar_jax.prefill`` / ``append`` (fused quantize) and
+``oscar_jax.decode_attention`` (INT2 flash-decoding). Without a GPU the kernels
+run in Pallas interpret mode.
+"""
