@@ -57,7 +57,7 @@ class KVQuantConfig:
     rotation: str = "hadamard"
     rotation_seed: int = 0
     param_dtype: str = "bfloat16"
-    norm_dtype: str = "float32"
+    norm_dtype: str = "bfloat16"
 
     def __post_init__(self):
         if self.method not in METHODS:
