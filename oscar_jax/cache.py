@@ -302,8 +302,8 @@ def append(
         cache, k_res=write(cache.k_res, k_t), v_res=write(cache.v_res, v_t),
         lengths=n_new, flags=flags,
     )  # fmt: skip
-    if not cfg.quantized:
-        return out
+    if not cfg.quantized or cache.quant_capacity == 0:
+        return out  # nothing can ever flush
     nq_old = quantized_count(n, cfg)
     flush = quantized_count(n_new, cfg) > nq_old  # [B]
     return jax.lax.cond(

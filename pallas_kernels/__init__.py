@@ -5,3 +5,7 @@ Importing this package registers the ``implementation="pallas"`` paths of
 ``oscar_jax.decode_attention`` (INT2 flash-decoding). Without a GPU the kernels
 run in Pallas interpret mode.
 """
+
+from pallas_kernels import decode  # noqa: E402,F401  (registers decode_attention "pallas")
+
+from pallas_kernels import quantize  # noqa: E402,F401  (registers implementation="pallas")

@@ -1,0 +1,250 @@
+"""Decode-attention benchmark: one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128).
+
+Implementations: our INT2 Pallas kernel, our BF16 Pallas kernel, XLA einsum (BF16),
+cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``), Pallas
+``ops.gpu.decode_attention.gqa`` (best of several k_splits), and a large
+device-to-device copy (x -> -x, read + write) as the bandwidth ceiling.
+
+Timing is device-side: ``reps`` chained calls inside one jit (each query depends on
+the previous output); per-call time = (T(reps) - T(1)) / (reps - 1), which removes
+the host dispatch; the median over ``calls`` host calls of each is used.
+
+    PYTHONPATH=. python benchmarks/bench_decode.py --out /tmp/bench [--check] \
+        [--variants '[{"block_tokens":128,"num_warps":4}]'] [--shapes 1x131072,8x32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oscar_jax as oj
+import pallas_kernels  # noqa: F401  (registers implementation="pallas")
+from pallas_kernels import decode as pdec
+
+HQ, HKV, D = 32, 8, 128
+SHAPES = ((1, 131072), (8, 32768), (48, 4096), (1, 4096))
+
+
+def device_time(fn, q, reps: int, calls: int) -> float:
+    """Median seconds per fn(q) call, device-side (see module docstring)."""
+
+    def chain(n):
+        def run(q0):
+            def body(_, qc):
+                return qc + (1e-6 * fn(qc)).astype(qc.dtype)
+
+            return jax.lax.fori_loop(0, n, body, q0)
+
+        return jax.jit(run)
+
+    f1, fn_ = chain(1), chain(reps)
+    f1(q).block_until_ready()
+    fn_(q).block_until_ready()
+    t1, tn = [], []
+    for _ in range(calls):
+        s = time.perf_counter()
+        f1(q).block_until_ready()
+        t1.append(time.perf_counter() - s)
+        s = time.perf_counter()
+        fn_(q).block_until_ready()
+        tn.append(time.perf_counter() - s)
+    return max(float(np.median(tn) - np.median(t1)) / (reps - 1), 1e-9)
+
+
+def copy_bandwidth(nbytes: int, reps: int, calls: int) -> float:
+    """Bytes/s of a device-side elementwise copy (read + write), chained in one jit."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    t = device_time(lambda y: -y * 1e6, x, reps, calls)  # body adds 1e-6*fn(y): stays finite
+    return 2 * x.size * 4 / t
+
+
+def make_inputs(b: int, ctx: int, seed: int = 0):
+    key = jax.random.PRNGKey(seed)
+    k1, k2, k3 = jax.random.split(key, 3)
+    k = jax.random.normal(k1, (b, ctx, HKV, D), jnp.bfloat16)
+    v = jax.random.normal(k2, (b, ctx, HKV, D), jnp.bfloat16)
+    k = k.at[:, :4].multiply(0.05)  # low-norm sink tokens
+    q = jax.random.normal(k3, (b, HQ, D), jnp.bfloat16)
+    return q, k, v
+
+
+def int2_bytes(cache) -> int:
+    """Bytes the INT2 path reads: quantized part up to nq per row + the whole ring + q."""
+    per_q, _ = oj.cache._per_token_bytes(cache)
+    nq = np.asarray(cache.num_quantized(), np.int64)
+    ring = cache.k_res.size * cache.k_res.dtype.itemsize * 2
+    return int(np.sum(nq) * per_q + ring)
+
+
+def xla_bf16(q, k_hm, v_hm):
+    b = q.shape[0]
+    qg = q.reshape(b, HKV, HQ // HKV, D)
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, k_hm, preferred_element_type=jnp.float32) / np.sqrt(D)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bhgt,bhtd->bhgd", p.astype(v_hm.dtype), v_hm,
+                   preferred_element_type=jnp.float32)
+    return o.reshape(b, HQ, D).astype(q.dtype)
+
+
+def run_shape(b, ctx, args, log):
+    q, k, v = make_inputs(b, ctx)
+    res = {}
+    cfg2 = oj.preset("oscar", bits=2)
+    c2 = oj.init_cache(cfg2, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
+    c2 = jax.jit(oj.prefill)(c2, k, v)
+    cb = oj.init_cache(oj.preset("bf16"), batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
+    cb = jax.jit(oj.prefill)(cb, k, v)
+    k_hm, v_hm = cb.k_res, cb.v_res  # [B, H, L, D] bf16
+    k_bl, v_bl = jnp.swapaxes(k_hm, 1, 2), jnp.swapaxes(v_hm, 1, 2)
+    nb = int2_bytes(c2)
+    bf_bytes = 2 * k_hm.size * 2
+    T = lambda f: device_time(f, q, args.reps, args.calls)  # noqa: E731
+    variants = json.loads(args.variants) if args.variants else [{}]
+    for i, ov in enumerate(variants):
+        name = "int2" if i == 0 else "int2 " + json.dumps(ov, sort_keys=True)
+        try:
+            t = T(lambda qq, ov=ov: oj.decode_attention(qq, c2, implementation="pallas", **ov))
+            res[name] = dict(ms=t * 1e3, bytes=nb, opts=ov)
+        except Exception as e:  # noqa: BLE001  (report and continue)
+            res[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        log(f"{b}x{ctx} {name}: {res[name]}")
+    peers = {
+        "bf16 pallas (ours)": lambda qq: oj.decode_attention(qq, cb, implementation="pallas"),
+        "xla einsum bf16": lambda qq: xla_bf16(qq, k_hm, v_hm),
+        "cudnn bf16": lambda qq: jax.nn.dot_product_attention(
+            qq[:, None], k_bl, v_bl, implementation="cudnn")[:, 0],
+    }
+    if not args.no_gqa:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from jax.experimental.pallas.ops.gpu import decode_attention as gqa_mod
+        for ks in (8, 16, 32):
+            if ctx % ks or (ctx // ks) % 128:
+                continue
+            peers[f"pallas gqa k_splits={ks}"] = (
+                lambda qq, ks=ks: gqa_mod.gqa(qq, jnp.swapaxes(k_hm, 1, 2),
+                                              jnp.swapaxes(v_hm, 1, 2), k_splits=ks))
+    for name, f in peers.items():
+        try:
+            res[name] = dict(ms=T(f) * 1e3, bytes=bf_bytes)
+        except Exception as e:  # noqa: BLE001
+            res[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        log(f"{b}x{ctx} {name}: {res[name]}")
+    gq = {n: r for n, r in res.items() if n.startswith("pallas gqa") and "ms" in r}
+    if gq:
+        best = min(gq, key=lambda n: gq[n]["ms"])
+        res["pallas gqa (best)"] = dict(gq[best], which=best)
+    if args.check:
+        ref = oj.decode_attention(q, c2).astype(jnp.float32)
+        out = oj.decode_attention(q, c2, implementation="pallas").astype(jnp.float32)
+        res["check_int2_max_rel"] = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+        ref = xla_bf16(q, k_hm, v_hm).astype(jnp.float32)
+        out = oj.decode_attention(q, cb, implementation="pallas").astype(jnp.float32)
+        res["check_bf16_max_rel"] = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+        log(f"{b}x{ctx} checks: int2 {res['check_int2_max_rel']:.2e} "
+            f"bf16 {res['check_bf16_max_rel']:.2e}")
+    return res
+
+
+def table(results, copy_bw, header):
+    cols = ["int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
+    lines = [header, "",
+             "| batch x context | " + " | ".join(cols) + " | fastest BF16 / INT2 | "
+             "INT2 GB/s (% of copy) |", "|" + "---|" * (len(cols) + 3)]
+    for shape, res in results.items():
+        cells = [f"{res[c]['ms']:.4f} ms" if "ms" in res.get(c, {}) else "n/a" for c in cols]
+        bf = [res[c]["ms"] for c in cols[1:] if "ms" in res.get(c, {})]
+        if "ms" in res.get("int2", {}) and bf:
+            t = res["int2"]["ms"] * 1e-3
+            bw = res["int2"]["bytes"] / t
+            extra = [f"{min(bf) / res['int2']['ms']:.2f}x",
+                     f"{bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%)"]
+        else:
+            extra = ["n/a", "n/a"]
+        lines.append(f"| {shape} | " + " | ".join(cells + extra) + " |")
+    lines.append("")
+    lines.append(f"Device copy (x -> -x, read + write, device-side): {copy_bw / 1e9:.0f} GB/s.")
+    return "\n".join(lines)
+
+
+def plot(results, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = ["int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b in sorted({int(s.split("x")[0]) for s in results}):
+        rows = sorted((int(s.split("x")[1]), r) for s, r in results.items()
+                      if int(s.split("x")[0]) == b)
+        for n in names:
+            pts = [(c, r[n]["ms"]) for c, r in rows if "ms" in r.get(n, {})]
+            if len(pts):
+                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{n} (batch {b})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length")
+    ax.set_ylabel("ms per decode step (one layer)")
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
+    ap.add_argument("--variants", default="", help="JSON list of INT2 option dicts; first=main")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--no-gqa", action="store_true")
+    ap.add_argument("--copy-mib", type=int, default=2048)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    logf = open(os.path.join(args.out, "bench_decode.log"), "a")
+
+    def log(msg):
+        print(msg, flush=True)
+        logf.write(msg + "\n")
+        logf.flush()
+
+    dev = jax.devices()[0]
+    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    log(f"jax {jax.__version__} device {dev.device_kind} date {now}")
+    bw = copy_bandwidth(args.copy_mib << 20, args.reps, args.calls)
+    log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
+    results = {}
+    for s in args.shapes.split(","):
+        b, c = (int(x) for x in s.split("x"))
+        log(f"heuristic for {s}: {pdec.choose_config(b, HKV, c, 32)}")
+        results[s] = run_shape(b, c, args, log)
+    header = (f"Decode attention, one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128), "
+              f"{dev.device_kind}, jax {jax.__version__}, "
+              f"{time.strftime('%Y-%m-%d', time.gmtime())}; device-side per-call time "
+              f"(median of {args.calls} host calls of {args.reps} chained steps).")
+    md = table(results, bw, header)
+    with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
+        json.dump(dict(copy_bytes_per_s=bw, results=results, device=dev.device_kind,
+                       jax=jax.__version__), f, indent=1)
+    with open(os.path.join(args.out, "decode_bench.md"), "w") as f:
+        f.write(md + "\n")
+    plot(results, os.path.join(args.out, "decode_bench.png"))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Generation over the OScaR KV cache: full-precision prefill, then ``lax.scan`` decoding.
+
+One ``jax.jit`` covers the whole call: the prompt (right-padded to a length
+bucket) runs through the layers with full-precision causal attention; its
+post-RoPE keys and (rotation-folded) values fill one cache per layer, stacked
+on a leading layer axis (``jax.vmap`` of ``init_cache`` + ``prefill``); then a
+``lax.scan`` over the new tokens carries (cache, last token, PRNG key, done
+flags) and per step runs every layer with ``lax.scan`` over (layer params,
+layer cache): ``append`` the token's K/V, ``decode_attention`` of its query.
+
+Compilation is keyed by (batch, prompt bucket, max_new_tokens, cache length,
+configs, sampling mode): prompts of different lengths in one bucket and
+different temperatures / top_p / seeds reuse it (``trace_count`` proves it).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oscar_jax as oj
+from models import layers
+from models.config import ModelConfig
+from models.model import CausalLM
+
+_TRACES: collections.Counter = collections.Counter()
+
+
+def trace_count(name: str = "generate") -> int:
+    """How many times the jitted generation (``generate``) or step (``step``) was traced."""
+    return _TRACES[name]
+
+
+def bucket_length(t: int) -> int:
+    """Prompt length bucket: powers of two from 16 up to 64, then multiples of 64."""
+    if t <= 64:
+        return max(16, 1 << max(0, int(t - 1).bit_length()))
+    return -(-t // 64) * 64
+
+
+class Static(NamedTuple):
+    """Everything that decides shapes and code paths (a jit static argument)."""
+
+    model: ModelConfig
+    kv: oj.KVQuantConfig  # the cache's config (value rotation already folded)
+    max_len: int
+    cache_dtype: str
+    implementation: str
+    greedy: bool
+    top_k: int | None
+    use_top_p: bool
+    stop_tokens: tuple[int, ...]
+    pad_id: int
+
+
+# -- building blocks (pure, traced) -------------------------------------------------
+def _prefill(st: Static, params, ids, lengths):
+    """Prompt [B, T] -> (logits at lengths-1 [B, V] float32, stacked caches [L, ...])."""
+    mc = st.model
+    b, t = ids.shape
+    valid = jnp.arange(t)[None, :] < lengths[:, None]
+    x, (k, v) = layers.forward(mc, params, ids, valid=valid, keep_kv=True)
+    last = x[jnp.arange(b), lengths - 1]
+    logits = layers.lm_head(mc, params, last)
+
+    def one(k_l, v_l):
+        c = oj.init_cache(
+            st.kv, batch=b, max_len=st.max_len, num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim, dtype=jnp.dtype(st.cache_dtype),
+        )  # fmt: skip
+        return oj.prefill(c, k_l, v_l, lengths)
+
+    return logits, jax.vmap(one)(k, v)
+
+
+def _decode(st: Static, params, caches, tok, pos):
+    """One new token per row: tok [B] at positions pos [B] -> (logits [B, V], caches)."""
+    mc = st.model
+    b = tok.shape[0]
+    x = layers.embed(params, tok[:, None])  # [B, 1, Hd]
+
+    def layer(x, inp):
+        lp, c = inp
+        hn = layers.rms_norm(x, lp["attn_norm"], mc.rms_norm_eps)
+        q, k, v = layers.qkv(mc, lp, hn, pos[:, None])
+        c = oj.append(c, k[:, 0], v[:, 0])
+        o = oj.decode_attention(q[:, 0], c, implementation=st.implementation)
+        x = x + layers.dense(o.reshape(b, 1, mc.q_size).astype(x.dtype), lp["wo"], lp.get("bo"))
+        x = x + layers.mlp(lp, layers.rms_norm(x, lp["mlp_norm"], mc.rms_norm_eps))
+        return x, c
+
+    x, caches = jax.lax.scan(layer, x, (params["layers"], caches))
+    return layers.lm_head(mc, params, x[:, 0]), caches
+
+
+def _sample(st: Static, logits, key, temperature, top_p):
+    if st.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lg = logits.astype(jnp.float32) / temperature
+    if st.top_k is not None:
+        kth = jax.lax.top_k(lg, st.top_k)[0][:, -1:]
+        lg = jnp.where(lg < kth, -jnp.inf, lg)
+    if st.use_top_p:
+        srt = jnp.sort(lg, axis=-1)[:, ::-1]
+        p = jax.nn.softmax(srt, axis=-1)
+        keep = (jnp.cumsum(p, axis=-1) - p) < top_p
+        n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
+        thr = jnp.take_along_axis(srt, (n_keep - 1)[:, None], axis=-1)
+        lg = jnp.where(lg < thr, -jnp.inf, lg)
+    return jax.random.categorical(key, lg, axis=-1).astype(jnp.int32)
+
+
+def _is_stop(st: Static, tok):
+    if not st.stop_tokens:
+        return jnp.zeros(tok.shape, bool)
+    return jnp.isin(tok, jnp.asarray(st.stop_tokens, jnp.int32))
+
+
+def _next(st: Static, logits, key, done, temperature, top_p):
+    """Sample, replace done rows' token by the pad id, update done."""
+    tok = _sample(st, logits, key, temperature, top_p)
+    tok = jnp.where(done, st.pad_id, tok)
+    return tok, done | _is_stop(st, tok)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _generate_jit(st: Static, n_new: int, params, ids, lengths, key, temperature, top_p):
+    _TRACES["generate"] += 1
+    logits, caches = _prefill(st, params, ids, lengths)
+    key, sk = jax.random.split(key)
+    tok0, done0 = _next(st, logits, sk, jnp.zeros(ids.shape[0], bool), temperature, top_p)
+
+    def step(carry, i):
+        caches, tok, key, done = carry
+        logits, caches = _decode(st, params, caches, tok, lengths + i)
+        key, sk = jax.random.split(key)
+        nxt, done = _next(st, logits, sk, done, temperature, top_p)
+        return (caches, nxt, key, done), nxt
+
+    carry = (caches, tok0, key, done0)
+    (caches, _, _, done), toks = jax.lax.scan(step, carry, jnp.arange(n_new - 1, dtype=jnp.int32))
+    out = jnp.concatenate([tok0[:, None], toks.T], axis=1)
+    info = dict(
+        flags=jnp.bitwise_or.reduce(caches.flags, axis=0),
+        cache_lengths=caches.lengths[0],
+        done=done,
+    )
+    return out, info
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _prefill_jit(st: Static, params, ids, lengths):
+    _TRACES["prefill"] += 1
+    return _prefill(st, params, ids, lengths)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _step_jit(st: Static, params, caches, tok, pos):
+    _TRACES["step"] += 1
+    return _decode(st, params, caches, tok, pos)
+
+
+# -- host-side API ------------------------------------------------------------------
+class Prepared(NamedTuple):
+    st: Static
+    params: dict
+    ids: jax.Array  # [B, T_bucket] int32, right-padded
+    lengths: jax.Array  # [B] int32
+
+
+def prepare(
+    m: CausalLM,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    kv: oj.KVQuantConfig,
+    lengths=None,
+    max_len: int | None = None,
+    cache_dtype=None,
+    implementation: str = "xla",
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens=None,
+    pad_token_id: int | None = None,
+) -> Prepared:
+    """Validate the inputs (ValueError on bad ids / lengths / sizes) and build the static config."""
+    if not isinstance(kv, oj.KVQuantConfig):
+        raise ValueError(f"kv={kv!r} must be a KVQuantConfig (see oscar_jax.preset)")
+    ids = m.check_ids(input_ids)
+    b, t = ids.shape
+    if b < 1 or t < 1:
+        raise ValueError(f"input_ids.shape={ids.shape} must be non-empty")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) \
+            or max_new_tokens < 1:  # fmt: skip
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    if lengths is None:
+        lens = np.full((b,), t, np.int64)
+    else:
+        lens = np.asarray(lengths)
+        if lens.shape != (b,) or not np.issubdtype(lens.dtype, np.integer):
+            raise ValueError(f"lengths.shape={lens.shape} must be ({b},) integers")
+        if lens.min() < 1 or lens.max() > t:
+            raise ValueError(f"lengths={lens.tolist()} must lie in [1, T={t}]")
+    tb = bucket_length(t)
+    if max_len is None:
+        max_len = tb + int(max_new_tokens)
+    if int(lens.max()) > max_len:
+        raise ValueError(
+            f"prompt length {int(lens.max())} is longer than the cache (max_len={max_len})"
+        )
+    tb = min(tb, max_len)
+    pad = np.zeros((b, tb), np.int32)
+    n = min(t, tb)
+    pad[:, :n] = ids[:, :n]
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0")
+    greedy = temperature == 0.0
+    if top_k is not None and not (1 <= top_k <= m.config.vocab_size):
+        raise ValueError(f"top_k={top_k} must be in [1, vocab_size]")
+    if top_p is not None and not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p={top_p} must be in (0, 1]")
+    stops = m.config.eos_token_ids if stop_tokens is None else tuple(int(s) for s in stop_tokens)
+    if pad_token_id is None:
+        pad_token_id = m.config.pad_token_id
+    if pad_token_id is None:
+        pad_token_id = stops[0] if stops else 0
+    cache_kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
+    st = Static(
+        model=m.config, kv=cache_kv, max_len=int(max_len),
+        cache_dtype=jnp.dtype(cache_dtype or m.dtype).name, implementation=implementation,
+        greedy=greedy, top_k=None if greedy else top_k,
+        use_top_p=(not greedy) and top_p is not None and top_p < 1.0,
+        stop_tokens=stops, pad_id=int(pad_token_id),
+    )  # fmt: skip
+    return Prepared(st, m.folded_params(kv), jnp.asarray(pad), jnp.asarray(lens, jnp.int32))
+
+
+def generate(
+    m: CausalLM,
+    input_ids,
+    max_new_tokens: int,
+    kv: oj.KVQuantConfig | None = None,
+    lengths=None,
+    temperature: float = 0.0,
+    seed: int = 0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    stop_tokens=None,
+    implementation: str = "xla",
+    *,
+    max_len: int | None = None,
+    cache_dtype=None,
+    pad_token_id: int | None = None,
+    return_info: bool = False,
+):
+    """Generate ``max_new_tokens`` tokens per row -> [B, N] int32 (and info with ``return_info``).
+
+    ``input_ids`` [B, T] right-padded, row i's prompt is its first ``lengths[i]`` tokens.
+    ``kv`` defaults to ``oj.preset("oscar", bits=2)``. ``temperature=0`` is greedy;
+    otherwise softmax sampling with optional ``top_k`` / ``top_p``. ``stop_tokens``
+    (default: the config's eos ids; ``()`` for none) end a row: it emits the stop
+    token, then ``pad_token_id``. ``max_len`` is the cache capacity per row (default:
+    prompt bucket + max_new_tokens). ``cache_dtype`` defaults to the model's dtype.
+    info: ``flags`` [B] (OR over layers of ``oj.FLAG_*``), ``cache_lengths`` [B], ``done`` [B].
+    """
+    kv = oj.preset("oscar", bits=2) if kv is None else kv
+    p = prepare(
+        m, input_ids, max_new_tokens=max_new_tokens, kv=kv, lengths=lengths, max_len=max_len,
+        cache_dtype=cache_dtype, implementation=implementation, temperature=temperature,
+        top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, pad_token_id=pad_token_id,
+    )  # fmt: skip
+    key = jax.random.key(seed)
+    out, info = _generate_jit(
+        p.st, int(max_new_tokens), p.params, p.ids, p.lengths, key,
+        jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p or 1.0),
+    )  # fmt: skip
+    return (out, info) if return_info else out
+
+
+def prefill(m: CausalLM, input_ids, kv: oj.KVQuantConfig, *, max_new_tokens: int = 1, **kw):
+    """Step-by-step API: -> (logits at each row's last prompt token [B, V], caches, prepared)."""
+    p = prepare(m, input_ids, max_new_tokens=max_new_tokens, kv=kv, **kw)
+    logits, caches = _prefill_jit(p.st, p.params, p.ids, p.lengths)
+    return logits, caches, p
+
+
+def decode_step(p: Prepared, caches, tok, pos):
+    """Step-by-step API: feed tok [B] at positions pos [B] -> (logits [B, V], caches)."""
+    return _step_jit(p.st, p.params, caches, jnp.asarray(tok, jnp.int32),
+                     jnp.asarray(pos, jnp.int32))  # fmt: skip
+
+
+def generate_stepwise(m: CausalLM, input_ids, max_new_tokens: int, kv=None, lengths=None,
+                      stop_tokens=None, **kw) -> np.ndarray:  # fmt: skip
+    """Greedy generation with a Python loop over jitted steps (a reference for the scan)."""
+    kv = oj.preset("oscar", bits=2) if kv is None else kv
+    logits, caches, p = prefill(m, input_ids, kv, max_new_tokens=max_new_tokens,
+                                lengths=lengths, stop_tokens=stop_tokens, **kw)  # fmt: skip
+    st = p.st
+    done = np.zeros(p.ids.shape[0], bool)
+    out = []
+    tok = np.asarray(jnp.argmax(logits, -1), np.int32)
+    for i in range(max_new_tokens):
+        if i:
+            logits, caches = decode_step(p, caches, out[-1], np.asarray(p.lengths) + i - 1)
+            tok = np.asarray(jnp.argmax(logits, -1), np.int32)
+        tok = np.where(done, st.pad_id, tok).astype(np.int32)
+        done = done | np.isin(tok, st.stop_tokens)
+        out.append(tok)
+    return np.stack(out, axis=1)

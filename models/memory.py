@@ -1,0 +1,71 @@
+"""KV-cache memory of full-size models from shapes only (``jax.eval_shape``: nothing allocated)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oscar_jax as oj
+from models.config import ModelConfig
+from models.model import abstract_model
+
+
+def abstract_caches(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
+                    dtype=jnp.bfloat16):  # fmt: skip
+    """The model's stacked per-layer cache [L, ...] as ShapeDtypeStructs."""
+    if kv.rotate_values:  # the model folds the value rotation; the cache stores values as given
+        kv = kv.replace(rotate_values=False)
+
+    def build():
+        one = lambda _: oj.init_cache(
+            kv, batch=batch, max_len=max_len, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, dtype=dtype,
+        )  # fmt: skip
+        return jax.vmap(one)(jnp.arange(cfg.num_layers))
+
+    return jax.eval_shape(build)
+
+
+def abstract_nbytes(tree) -> int:
+    """Bytes of a pytree of arrays or ShapeDtypeStructs."""
+    return int(sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree_util.tree_leaves(tree)))  # fmt: skip
+
+
+def param_nbytes(cfg: ModelConfig, dtype=jnp.bfloat16) -> int:
+    from flax import nnx
+
+    return abstract_nbytes(nnx.state(abstract_model(cfg, dtype), nnx.Param))
+
+
+def memory_table(configs: dict[str, ModelConfig], contexts=(32768, 131072), batch: int = 1):
+    """Rows (model, context, bf16 bytes, int2 bytes, ratio) of KV-cache capacity per sequence."""
+    rows = []
+    for name, cfg in configs.items():
+        for ctx in contexts:
+            bf = abstract_nbytes(abstract_caches(cfg, oj.preset("bf16"), batch=batch, max_len=ctx))
+            q = abstract_nbytes(
+                abstract_caches(cfg, oj.preset("oscar", bits=2), batch=batch, max_len=ctx)
+            )
+            rows.append((name, ctx, bf, q, bf / q))
+    return rows
+
+
+def format_table(rows) -> str:
+    gib = 1024**3
+    lines = [
+        "| model | context | BF16 KV cache | OScaR INT2 KV cache | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for name, ctx, bf, q, r in rows:
+        lines.append(
+            f"| {name} | {ctx // 1024}K | {bf / gib:.2f} GiB | {q / gib:.3f} GiB | {r:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    from models.config import llama31_8b, qwen3_8b
+
+    print(format_table(memory_table({"Llama-3.1-8B": llama31_8b(), "Qwen3-8B": qwen3_8b()})))

@@ -1,0 +1,411 @@
+"""Fused rotate -> token-scale -> group-quantize -> planar-pack kernels (Pallas, Triton).
+
+One ``pallas_call`` encodes a block of keys *and* values straight into the cache's
+layout (see ``oscar_jax.codec``): every program reads ``groups_per_block`` groups of
+G tokens of one KV head (all KV heads for ``per_token`` norms) once from HBM and
+writes codes, scales/zeros and norms; nothing intermediate goes back to HBM.
+
+Per group of G tokens, the rotation is done on the tensor cores as dots of the
+[G, D] tile with column chunks of the rotation matrix, one chunk of W = min(P, Gv)
+channels at a time (P = D*bits/8 channels per packed plane, Gv the value group).
+Chunks line up with the planar packing (byte j holds channels j + i*P), so packing
+is shifts and ors of whole chunks: Pallas-Triton lowers no slicing of loaded values,
+and butterflies (the fast Walsh-Hadamard transform) need exactly that slicing or
+permutes, so they are not offered. The Hadamard matrices are sent as exact +-1
+entries in the input's dtype (bf16/f16 dot, f32 accumulation: products are exact),
+then scaled by 1/sqrt(b) in f32 as ``hadamard.fwht`` does; f32 inputs are split
+into three bf16 parts, so the rotation keeps f32 accuracy. ``random_orthogonal``
+uses a dense f32 matrix and an IEEE f32 dot.
+
+Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm,
+division by the *stored* norm, min/max per group, codes from the *stored* (rounded)
+scale/zero times the inverse scale, round half to even, constant group -> code 0.
+With ``exact_division=True`` (default) divisions are IEEE round-to-nearest
+(``div.rn.f32``; Triton's ``/`` is approximate); ``exact_division=False`` multiplies
+by reciprocals instead (faster; norms and scales may differ by an ulp, codes only at
+near-ties). Reduction order differs from XLA's, so norms may differ by an ulp and a
+code may rarely differ by one where the reference value sits on a rounding tie.
+
+Where the kernel does not apply, ``encode`` falls back to the XLA path (documented,
+silent): bits 1, 3 and 8; float8 scale dtype; head_dim not a power of two (block-
+diagonal Hadamard of 80, 96, ...), or W < 16 (e.g. head_dim 32 at 2 bits, head_dim 16);
+group_size < 16 (Triton dots need 16 rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+import oscar_jax
+from oscar_jax import codec, hadamard
+from oscar_jax.config import KVQuantConfig
+
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizeTuning:
+    """Launch knobs of the fused encoder (validated; hashable, static under jit).
+
+    groups_per_block: G-token groups one program encodes (1..64).
+    num_warps: Triton warps per program (1, 2, 4, 8, 16).
+    num_stages: Triton software-pipelining stages (1..8).
+    exact_division: IEEE-rounded divisions as in XLA (True) or reciprocal multiplies.
+    """
+
+    groups_per_block: int = 2
+    num_warps: int = 4
+    num_stages: int = 1
+    exact_division: bool = True
+
+    def __post_init__(self):
+        for name, lo, hi in (("groups_per_block", 1, 64), ("num_stages", 1, 8)):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int | np.integer):
+                raise ValueError(f"{name}={val!r} must be an int")
+            if not lo <= val <= hi:
+                raise ValueError(f"{name}={val} must be in [{lo}, {hi}]")
+        if self.num_warps not in (1, 2, 4, 8, 16) or isinstance(self.num_warps, bool):
+            raise ValueError(f"num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
+        if not isinstance(self.exact_division, bool):
+            raise ValueError(f"exact_division={self.exact_division!r} must be a bool")
+
+
+def gpu_available() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def kernel_unsupported_reason(cfg: KVQuantConfig, head_dim: int) -> str | None:
+    """Why the fused kernel cannot encode this config / head_dim (None: it can)."""
+    if cfg.bits not in (2, 4):
+        return f"bits={cfg.bits} (the kernel packs 2 and 4 bits)"
+    if cfg.param_dtype not in ("bfloat16", "float16", "float32"):
+        return f"param_dtype={cfg.param_dtype}"
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 512:
+        return f"head_dim={head_dim} is not a power of two in [16, 512]"
+    if _chunk_width(cfg, head_dim) < 16:
+        return f"chunk width {_chunk_width(cfg, head_dim)} < 16 (head_dim too small)"
+    if cfg.group_size < 16:
+        return f"group_size={cfg.group_size} < 16"
+    return None
+
+
+def _chunk_width(cfg: KVQuantConfig, d: int) -> int:
+    return min(d * cfg.bits // 8, cfg.value_group(d))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """Static facts one kernel instance is built from."""
+
+    cfg: KVQuantConfig
+    t: int  # tokens
+    h: int  # KV heads
+    d: int
+    in_dtype: str
+    tuning: QuantizeTuning
+    interpret: bool
+
+    @property
+    def w(self) -> int:
+        return _chunk_width(self.cfg, self.d)
+
+    @property
+    def p(self) -> int:  # channels (bytes) per packed plane
+        return self.d * self.cfg.bits // 8
+
+    @property
+    def rot_scale(self):
+        if self.cfg.rotation == "random_orthogonal":
+            return None
+        return np.float32(1.0 / np.sqrt(hadamard.hadamard_block_size(self.d)))
+
+
+def _rotation_operand(spec: _Spec) -> np.ndarray:
+    """The matrix M with rotate(x) = (x @ M) * rot_scale: exact +-1 or dense f32."""
+    rt = hadamard.rotation_matrix(spec.cfg, spec.d).T
+    if spec.rot_scale is None:
+        return rt.astype(np.float32)
+    pm = np.round(rt * np.sqrt(hadamard.hadamard_block_size(spec.d)))
+    dt = jnp.float16 if spec.in_dtype == "float16" else jnp.bfloat16
+    return pm.astype(dt)
+
+
+def _div(a, b, spec: _Spec):
+    """a / b in f32: IEEE-rounded (div.rn) or via a reciprocal, per the tuning."""
+    if not spec.tuning.exact_division:  # one IEEE reciprocal per row/column, then multiply
+        return a * _div(jnp.ones_like(b), b, dataclasses.replace(
+            spec, tuning=dataclasses.replace(spec.tuning, exact_division=True)))
+    b = jnp.broadcast_to(b, a.shape)
+    if spec.interpret:
+        return a / b
+    (out,) = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )  # fmt: skip
+    return out
+
+
+def _round_half_even(v, spec: _Spec):
+    """jnp.round (half to even); Triton lowers no round, so cvt.rni on the GPU."""
+    if spec.interpret:
+        return jnp.round(v)
+    (out,) = plgpu.elementwise_inline_asm(
+        "cvt.rni.f32.f32 $0, $1;", args=[v], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.float32)],
+    )  # fmt: skip
+    return out
+
+
+def _chunks(ref, mat_ref, b, h, t0, rotate: bool, spec: _Spec):
+    """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each."""
+    g, w, d = spec.cfg.group_size, spec.w, spec.d
+    rows = pl.ds(t0, g)
+    if not rotate:
+        return [ref[b, h, rows, pl.ds(k * w, w)].astype(jnp.float32) for k in range(d // w)]
+    x = ref[b, h, rows, :]
+    if spec.rot_scale is None:
+        parts, prec = [x.astype(jnp.float32)], jax.lax.Precision.HIGHEST
+    elif spec.in_dtype in ("bfloat16", "float16"):
+        parts, prec = [x], None
+    else:  # f32 = hi + mid + lo, each bf16: exact products with the +-1 matrix
+        x = x.astype(jnp.float32)
+        hi = x.astype(jnp.bfloat16)
+        r = x - hi.astype(jnp.float32)
+        mid = r.astype(jnp.bfloat16)
+        lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+        parts, prec = [hi, mid, lo], None
+    out = []
+    for k in range(d // w):
+        m = mat_ref[:, pl.ds(k * w, w)]
+        acc = plgpu.dot(parts[0], m, precision=prec)
+        for part in parts[1:]:
+            acc = acc + plgpu.dot(part, m, precision=prec)
+        out.append(acc if spec.rot_scale is None else acc * spec.rot_scale)
+    return out
+
+
+def _quantize(y, mn, mx, spec: _Spec):
+    """Stored scale/zero of a group and the int32 codes of y, as quant.quantize_groups."""
+    levels = spec.cfg.levels
+    scale = _div(mx - mn, jnp.full_like(mx, levels), spec).astype(spec.cfg.scale_dtype)
+    zero = mn.astype(spec.cfg.scale_dtype)
+    s32, z32 = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    pos = s32 > 0
+    inv = jnp.where(pos, _div(jnp.ones_like(s32), jnp.where(pos, s32, 1.0), spec), 0.0)
+    v = (y - z32) * inv
+    v = jnp.where(v != v, 0.0, jnp.clip(v, -1.0, levels + 1.0))  # NaN -> 0, as the reference
+    v = _round_half_even(v, spec)
+    return scale, zero, jnp.clip(v, 0.0, float(levels)).astype(jnp.int32)
+
+
+def _store_codes(ref, b, h, t0, packed, spec: _Spec):
+    g, w = spec.cfg.group_size, spec.w
+    for j, acc in enumerate(packed):
+        ref[b, h, pl.ds(t0, g), pl.ds(j * w, w)] = acc.astype(jnp.uint8)
+
+
+def _row_max_abs(ys):
+    m = jnp.max(jnp.abs(ys[0]), axis=1)
+    for y in ys[1:]:
+        m = jnp.maximum(m, jnp.max(jnp.abs(y), axis=1))
+    return m
+
+
+def _row_sumsq(ys, m_safe, spec: _Spec):
+    s = None
+    for y in ys:
+        z = _div(y, m_safe[:, None], spec)
+        part = jnp.sum(z * z, axis=1)
+        s = part if s is None else s + part
+    return s
+
+
+def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):
+    """Quantize one head's G x D key tile (divided by den [G] if given) and store it."""
+    cfg, w = spec.cfg, spec.w
+    kc_ref, ks_ref, kz_ref = outs
+    if ys is None:
+        ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+    npl = spec.p // w  # chunks per plane
+    packed = [None] * npl
+    grp = t0 // cfg.group_size
+    for k, y in enumerate(ys):
+        if den is not None:
+            y = _div(y, den[:, None], spec)
+        scale, zero, q = _quantize(y, jnp.min(y, axis=0), jnp.max(y, axis=0), spec)
+        ks_ref[b, h, grp, pl.ds(k * w, w)] = scale
+        kz_ref[b, h, grp, pl.ds(k * w, w)] = zero
+        q = q << (cfg.bits * (k // npl))
+        packed[k % npl] = q if packed[k % npl] is None else packed[k % npl] | q
+    _store_codes(kc_ref, b, h, t0, packed, spec)
+
+
+def _encode_value_head(v_ref, mat_ref, outs, b, h, t0, spec: _Spec):
+    cfg, w, g = spec.cfg, spec.w, spec.cfg.group_size
+    vc_ref, vs_ref, vz_ref = outs
+    ys = _chunks(v_ref, mat_ref, b, h, t0, cfg.rotate_values, spec)
+    npl, per_group = spec.p // w, cfg.value_group(spec.d) // w
+    packed = [None] * npl
+    for gi in range(len(ys) // per_group):
+        group = ys[gi * per_group : (gi + 1) * per_group]
+        mn, mx = jnp.min(group[0], axis=1), jnp.max(group[0], axis=1)
+        for y in group[1:]:
+            mn, mx = jnp.minimum(mn, jnp.min(y, axis=1)), jnp.maximum(mx, jnp.max(y, axis=1))
+        for c, y in enumerate(group):
+            scale, zero, q = _quantize(y, mn[:, None], mx[:, None], spec)
+            k = gi * per_group + c
+            q = q << (cfg.bits * (k // npl))
+            packed[k % npl] = q if packed[k % npl] is None else packed[k % npl] | q
+        vs_ref[b, h, pl.ds(t0, g), gi] = scale[:, 0]
+        vz_ref[b, h, pl.ds(t0, g), gi] = zero[:, 0]
+    _store_codes(vc_ref, b, h, t0, packed, spec)
+
+
+def _kernel(*refs, spec: _Spec):
+    cfg = spec.cfg
+    rot = cfg.rotate_keys or cfg.rotate_values
+    k_ref, v_ref, *rest = refs
+    mat_ref = rest.pop(0) if rot else None
+    kc, ks, kz, *rest = rest
+    kn_ref = rest.pop(0) if cfg.token_scaling else None
+    vouts = tuple(rest)
+    b, hb, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    g, gpb, per_token = cfg.group_size, spec.tuning.groups_per_block, cfg.norm_granularity
+    per_token = cfg.token_scaling and per_token == "per_token"
+    norm_dt = cfg.norm_jnp_dtype
+
+    def stored_den(m, s):
+        n = jnp.where(m > 0, jnp.where(m > 0, m, 1.0) * jnp.sqrt(s), 0.0).astype(norm_dt)
+        n32 = n.astype(jnp.float32)
+        return n, jnp.where(n32 > 0, n32, 1.0)
+
+    def one_group(i):
+        t0 = (blk * gpb + i) * g
+
+        @pl.when(t0 < spec.t)
+        def _():
+            if not per_token:
+                h = hb
+                den = None
+                ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+                if cfg.token_scaling:
+                    m = _row_max_abs(ys)
+                    n, den = stored_den(m, _row_sumsq(ys, jnp.where(m > 0, m, 1.0), spec))
+                    kn_ref[b, h, pl.ds(t0, g)] = n
+                _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, h, t0, den, spec, ys)
+                _encode_value_head(v_ref, mat_ref, vouts, b, h, t0, spec)
+                return
+
+            def head_max(h, m):
+                ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+                return jnp.maximum(m, _row_max_abs(ys))
+
+            m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
+            m_safe = jnp.where(m > 0, m, 1.0)
+
+            def head_sumsq(h, s):
+                ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+                return s + _row_sumsq(ys, m_safe, spec)
+
+            s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
+            n, den = stored_den(m, s)
+            kn_ref[b, 0, pl.ds(t0, g)] = n
+
+            def head_encode(h, carry):
+                _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, h, t0, den, spec)
+                _encode_value_head(v_ref, mat_ref, vouts, b, h, t0, spec)
+                return carry
+
+            jax.lax.fori_loop(0, spec.h, head_encode, 0)
+
+    for i in range(gpb):
+        one_group(i)
+
+
+@functools.partial(jax.jit, static_argnames=("spec",))
+def _encode_pallas(k, v, spec: _Spec):
+    cfg, (bsz, h, t, d) = spec.cfg, k.shape
+    g, pdt, db = cfg.group_size, cfg.scale_dtype, d * cfg.bits // 8
+    hn = 1 if cfg.norm_granularity == "per_token" else h
+    gv = cfg.value_group(d)
+    out_shape = [
+        jax.ShapeDtypeStruct((bsz, h, t, db), jnp.uint8),
+        jax.ShapeDtypeStruct((bsz, h, t // g, d), pdt),
+        jax.ShapeDtypeStruct((bsz, h, t // g, d), pdt),
+    ]
+    if cfg.token_scaling:
+        out_shape.append(jax.ShapeDtypeStruct((bsz, hn, t), cfg.norm_jnp_dtype))
+    out_shape += [
+        jax.ShapeDtypeStruct((bsz, h, t, db), jnp.uint8),
+        jax.ShapeDtypeStruct((bsz, h, t, d // gv), pdt),
+        jax.ShapeDtypeStruct((bsz, h, t, d // gv), pdt),
+    ]
+    args = [k, v]
+    if cfg.rotate_keys or cfg.rotate_values:
+        args.append(jnp.asarray(_rotation_operand(spec)))
+    per_token = cfg.token_scaling and cfg.norm_granularity == "per_token"
+    nblk = pl.cdiv(t // g, spec.tuning.groups_per_block)
+    kwargs = {}
+    if not spec.interpret:
+            kwargs["compiler_params"] = plgpu.CompilerParams(
+            num_warps=spec.tuning.num_warps, num_stages=spec.tuning.num_stages
+        )
+    outs = pl.pallas_call(
+        functools.partial(_kernel, spec=spec),
+        out_shape=out_shape,
+        grid=(bsz, 1 if per_token else h, nblk),
+        interpret=spec.interpret,
+        **kwargs,
+    )(*args)
+    kc, ks, kz, *rest = outs
+    kn = rest.pop(0) if cfg.token_scaling else jnp.ones((bsz, hn, t), cfg.norm_jnp_dtype)
+    return codec.EncodedKeys(kc, ks, kz, kn), codec.EncodedValues(*rest)
+
+
+def encode(
+    k, v, cfg: KVQuantConfig, *, interpret: bool | None = None, groups_per_block: int = 2,
+    num_warps: int = 4, num_stages: int = 1, exact_division: bool = True,
+) -> tuple[codec.EncodedKeys, codec.EncodedValues]:  # fmt: skip
+    """Fused encoder of head-major k, v [B, H, T, D] (T a multiple of G); codec's layout.
+
+    ``interpret=None`` runs Pallas interpret mode when no GPU is present. The knobs
+    build a ``QuantizeTuning``. Configs the kernel does not cover (see
+    ``kernel_unsupported_reason``: bits 1/3/8, float8 params, odd head_dim, G < 16)
+    are encoded by the XLA path instead.
+    """
+    tuning = QuantizeTuning(groups_per_block, num_warps, num_stages, exact_division)
+    if not isinstance(cfg, KVQuantConfig) or not cfg.quantized:
+        raise ValueError(f"cfg={cfg!r} must be a quantized KVQuantConfig")
+    for name, x in (("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating [B, H, T, D] array, got "
+                             f"{getattr(x, 'shape', None)} {getattr(x, 'dtype', None)}")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"k {k.shape} {k.dtype} must match v {v.shape} {v.dtype}")
+    t, d = k.shape[2], k.shape[3]
+    if t % cfg.group_size:
+        raise ValueError(f"tokens T={t} must be a multiple of group_size={cfg.group_size}")
+    if kernel_unsupported_reason(cfg, d) is not None or jnp.dtype(k.dtype).itemsize > 4:
+        return codec.encode_keys_xla(k, cfg), codec.encode_values_xla(v, cfg)
+    if t == 0:
+        return codec.encode_keys_xla(k, cfg), codec.encode_values_xla(v, cfg)
+    if interpret is None:
+        interpret = not gpu_available()
+    spec = _Spec(cfg, t, k.shape[1], d, jnp.dtype(k.dtype).name, tuning, bool(interpret))
+    if spec.in_dtype not in ("bfloat16", "float16", "float32"):
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        spec = dataclasses.replace(spec, in_dtype="float32")
+    return _encode_pallas(k, v, spec)
+
+
+oscar_jax.register_encoder("pallas", encode)

@@ -1,0 +1,65 @@
+"""Rotations: orthonormal, self-inverse (Hadamard), inner products preserved, O(d log d) path."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+import oscar_jax as oj
+
+
+class HadamardTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(8, 64, 128, 256, 1024, 80, 96, 192)
+    def test_fwht_matches_dense_matrix(self, d):
+        x = jax.random.normal(jax.random.PRNGKey(d), (3, 5, d))
+        y = self.variant(oj.fwht)(x)
+        ref = np.asarray(x, np.float64) @ oj.hadamard_matrix(d).T
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)
+
+    @parameterized.parameters(64, 128, 256, 96)
+    def test_orthonormal_and_self_inverse(self, d):
+        h = oj.hadamard_matrix(d)
+        np.testing.assert_allclose(h @ h.T, np.eye(d), atol=1e-12)
+        np.testing.assert_allclose(h, h.T, atol=0)
+        x = jax.random.normal(jax.random.PRNGKey(1), (4, d))
+        chex.assert_trees_all_close(oj.fwht(oj.fwht(x)), x, rtol=1e-5, atol=1e-5)
+
+    @parameterized.product(
+        d=(64, 128, 256, 80),
+        rotation=("hadamard", "randomized_hadamard", "random_orthogonal"),
+    )
+    def test_rotation_preserves_inner_products(self, d, rotation):
+        cfg = oj.preset("oscar", rotation=rotation, rotation_seed=7)
+        kq, kk = jax.random.split(jax.random.PRNGKey(d))
+        q = jax.random.normal(kq, (16, d))
+        k = jax.random.normal(kk, (16, d)) * 3.0
+        dots = jnp.sum(q * k, -1)
+        rdots = jnp.sum(oj.rotate(q, cfg) * oj.rotate(k, cfg), -1)
+        np.testing.assert_allclose(rdots, dots, rtol=1e-5, atol=1e-5 * float(jnp.abs(dots).max()))
+        chex.assert_trees_all_close(oj.unrotate(oj.rotate(k, cfg), cfg), k, rtol=1e-5, atol=1e-5)
+        r = oj.rotation_matrix(cfg, d)
+        np.testing.assert_allclose(r @ r.T, np.eye(d), atol=1e-10)
+        np.testing.assert_allclose(np.asarray(oj.rotate(k, cfg)), np.asarray(k) @ r.T, atol=1e-4)
+
+    def test_random_rotation_is_seeded(self):
+        a = oj.rotation_matrix(oj.preset("oscar", rotation="random_orthogonal", rotation_seed=1), 64)
+        b = oj.rotation_matrix(oj.preset("oscar", rotation="random_orthogonal", rotation_seed=1), 64)
+        c = oj.rotation_matrix(oj.preset("oscar", rotation="random_orthogonal", rotation_seed=2), 64)
+        np.testing.assert_array_equal(a, b)
+        assert np.abs(a - c).max() > 0.1
+
+    def test_fwht_is_not_a_dense_matmul(self):
+        hlo = jax.jit(oj.fwht).lower(jnp.ones((4, 128))).as_text()
+        assert "dot" not in hlo  # butterflies only: O(d log d)
+
+    def test_spreads_a_massive_channel(self):
+        x = jnp.zeros((128,)).at[5].set(100.0) + jax.random.normal(jax.random.PRNGKey(0), (128,))
+        y = oj.fwht(x)
+        assert float(jnp.abs(y).max()) < 0.2 * float(jnp.abs(x).max())
+
+
+if __name__ == "__main__":
+    pytest.main([__file__])

@@ -1,0 +1,150 @@
+"""Decoding over the OScaR cache: quantized vs bf16 logits, folding, compilation, scan vs loop."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the tiny checkpoints are built with transformers")
+pytest.importorskip("transformers")
+
+from test_models_common import ours, random_ids  # noqa: E402
+
+import models  # noqa: E402
+import oscar_jax as oj  # noqa: E402
+
+# small R and G so that short test prompts reach the quantized part of the cache
+SMALL = dict(residual_length=32, group_size=32)
+
+
+def _decode_logits(m, kv, ids, tok):
+    logits0, caches, p = models.prefill(m, ids, kv, max_new_tokens=4)
+    assert int(np.max(np.asarray(caches.lengths))) == ids.shape[1]
+    logits1, caches = models.decode_step(p, caches, tok, np.asarray(p.lengths))
+    return np.asarray(logits1), caches
+
+
+@pytest.mark.parametrize("name", ["llama3_q", "qwen3_q"])
+def test_int8_oscar_decode_logits_close_to_bf16_cache(name):
+    m = ours(name)
+    ids = random_ids(2, 100, seed=3)
+    tok = np.array([5, 77], np.int32)
+    ref, _ = _decode_logits(m, oj.preset("bf16"), ids, tok)
+    got, caches = _decode_logits(m, oj.preset("oscar", bits=8, **SMALL), ids, tok)
+    assert int(np.asarray(caches.num_quantized()).min()) == 64  # the quantized part is used
+    diff = float(np.max(np.abs(got - ref)))
+    print(f"{name}: INT8 OScaR vs bf16 cache decode logits: max |diff| = {diff:.2e}")
+    assert diff <= 1e-2
+    int2, _ = _decode_logits(m, oj.preset("oscar", bits=2, **SMALL), ids, tok)
+    print(
+        f"{name}: INT2 OScaR vs bf16 cache: max |diff| = {np.max(np.abs(int2 - ref)):.2e} "
+        f"(max |logit| {np.max(np.abs(ref)):.2f})"
+    )
+    # and the full-precision prefill logits agree with the uncached forward
+    full = np.asarray(m.logits(np.concatenate([ids, tok[:, None]], axis=1)))[:, -1]
+    assert np.max(np.abs(ref - full)) <= 1e-4
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "random_orthogonal"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_value_rotation_folding_is_exact(name, rotation):
+    m = ours(name)
+    ids = random_ids(2, 24, seed=4)
+    kv = oj.preset("oscar", rotation=rotation)
+    plain = np.asarray(m.logits(ids))
+    folded = np.asarray(m.logits(ids, kv=kv))
+    p, f = m.params()["layers"], m.folded_params(kv)["layers"]
+    assert not np.allclose(p["wv"], f["wv"]) and not np.allclose(p["wo"], f["wo"])
+    assert m.folded_params(kv) is m.folded_params(kv)  # cached per rotation
+    assert np.max(np.abs(plain - folded)) <= 2e-5
+
+
+def test_generate_compiles_once_per_bucket_and_sampling():
+    m = ours("llama3")
+    kv = oj.preset("oscar", bits=2, **SMALL)
+    greedy = np.asarray(models.generate(m, random_ids(2, 12, 5), 8, kv=kv, stop_tokens=()))
+    before = models.trace_count()
+    outs = []
+    for t, seed, temp in [(10, 0, 0.7), (13, 1, 1.3), (16, 2, 1.0)]:  # one bucket (16)
+        ids = random_ids(2, t, 5)
+        lengths = np.array([t, t - 3], np.int32)
+        outs.append(np.asarray(models.generate(
+            m, ids, 8, kv=kv, lengths=lengths, temperature=temp, seed=seed, top_k=1,
+            stop_tokens=(),
+        )))  # fmt: skip
+    assert models.trace_count() - before == 1
+    # top_k=1 sampling is greedy
+    ids = random_ids(2, 12, 5)
+    g2 = np.asarray(models.generate(m, ids, 8, kv=kv, temperature=1.0, top_k=1, stop_tokens=()))
+    np.testing.assert_array_equal(g2, greedy)
+    # tiny top_p is greedy too; full sampling depends on the seed only
+    g3 = np.asarray(models.generate(m, ids, 8, kv=kv, temperature=1.0, top_p=1e-6,
+                                    stop_tokens=()))  # fmt: skip
+    np.testing.assert_array_equal(g3, greedy)
+    s1 = np.asarray(models.generate(m, ids, 8, kv=kv, temperature=5.0, seed=1, stop_tokens=()))
+    s1b = np.asarray(models.generate(m, ids, 8, kv=kv, temperature=5.0, seed=1, stop_tokens=()))
+    s2 = np.asarray(models.generate(m, ids, 8, kv=kv, temperature=5.0, seed=2, stop_tokens=()))
+    np.testing.assert_array_equal(s1, s1b)
+    assert not np.array_equal(s1, s2)
+
+
+@pytest.mark.parametrize("name", ["qwen2"])
+def test_scan_equals_stepwise_int2(name):
+    m = ours(name)
+    kv = oj.preset("oscar", bits=2, **SMALL)
+    ids = random_ids(2, 40, seed=6)
+    lengths = np.array([40, 29], np.int32)
+    n = 40  # rows cross several flushes of the residual ring into the INT2 part
+    scan, info = models.generate(m, ids, n, kv=kv, lengths=lengths, stop_tokens=(),
+                                 return_info=True)  # fmt: skip
+    loop = models.generate_stepwise(m, ids, n, kv=kv, lengths=lengths, stop_tokens=())
+    np.testing.assert_array_equal(np.asarray(scan), loop)
+    np.testing.assert_array_equal(np.asarray(info["cache_lengths"]), lengths + n - 1)
+    assert not np.any(np.asarray(info["flags"]))
+    bf = np.asarray(models.generate(m, ids, n, kv=oj.preset("bf16"), lengths=lengths,
+                                    stop_tokens=()))  # fmt: skip
+    print(f"{name}: INT2 OScaR (R=G=32) vs bf16 greedy token agreement "
+          f"{np.mean(np.asarray(scan) == bf):.3f}")  # fmt: skip
+
+
+def test_stop_tokens_and_overflow_flag():
+    m = ours("qwen3")
+    kv = oj.preset("bf16")
+    ids = random_ids(2, 9, seed=7)
+    ref = np.asarray(models.generate(m, ids, 12, kv=kv, stop_tokens=()))
+    stop = int(ref[0, 5])
+    first = [int(np.argmax(r == stop)) if np.any(r == stop) else None for r in ref]
+    out, info = models.generate(m, ids, 12, kv=kv, stop_tokens=(stop,), pad_token_id=255,
+                                return_info=True)  # fmt: skip
+    out = np.asarray(out)
+    for i, f in enumerate(first):
+        if f is None:
+            np.testing.assert_array_equal(out[i], ref[i])
+            assert not bool(info["done"][i])
+        else:
+            np.testing.assert_array_equal(out[i, : f + 1], ref[i, : f + 1])
+            assert np.all(out[i, f + 1 :] == 255) and bool(info["done"][i])
+    # a cache two tokens too short overflows and says so in the per-row flags
+    out, info = models.generate(m, ids, 12, kv=kv, stop_tokens=(), max_len=9 + 9,
+                                return_info=True)  # fmt: skip
+    assert np.all(np.asarray(info["flags"]) & oj.FLAG_OVERFLOW)
+    np.testing.assert_array_equal(np.asarray(out)[:, :10], ref[:, :10])
+
+
+def test_bucketing():
+    assert [models.bucket_length(t) for t in (1, 16, 17, 64, 65, 128, 129)] == [
+        16, 16, 32, 64, 128, 128, 192,
+    ]  # fmt: skip
+
+
+def test_bf16_model_generates():
+    m = ours("llama3")
+    import models.model as mm
+
+    mb = mm.CausalLM(m.config, dtype=jnp.bfloat16)
+    mb.set_params({k: (jnp.asarray(v, jnp.bfloat16) if not isinstance(v, dict) else
+                       {n: jnp.asarray(a, jnp.bfloat16) for n, a in v.items()})
+                   for k, v in m.params().items()})  # fmt: skip
+    out = np.asarray(models.generate(mb, random_ids(1, 12, 8), 4, stop_tokens=()))
+    assert out.shape == (1, 4) and out.min() >= 0 and out.max() < m.config.vocab_size

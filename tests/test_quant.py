@@ -1,0 +1,100 @@
+"""Group quantization and packing: exact packing, error bounds, no NaN on degenerate groups."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl.testing import parameterized
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import oscar_jax as oj
+from oscar_jax import quant
+
+
+class PackTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(bits=(1, 2, 3, 4, 8), axis=(-1, 1))
+    def test_pack_unpack_exact(self, bits, axis):
+        codes = jax.random.randint(jax.random.PRNGKey(bits), (3, 64, 16), 0, 1 << bits)
+        codes = codes.astype(jnp.uint8)
+        packed = self.variant(lambda c: oj.pack(c, bits, axis=axis))(codes)
+        assert packed.dtype == jnp.uint8
+        n_axis = 1 if axis == 1 else 2
+        assert packed.shape[n_axis] == codes.shape[n_axis] * bits // 8
+        np.testing.assert_array_equal(self.variant(lambda p: oj.unpack(p, bits, axis=axis))(packed),
+                                      codes)
+
+    def test_planar_layout_int2(self):
+        codes = jnp.arange(16, dtype=jnp.uint8) % 4  # 16 codes -> 4 bytes, P = 4
+        packed = np.asarray(oj.pack(codes, 2))
+        for j in range(4):
+            want = sum(int(codes[j + i * 4]) << (2 * i) for i in range(4))
+            assert packed[j] == want
+
+    @given(bits=st.sampled_from([1, 2, 3, 4, 8]), n8=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
+    @settings(max_examples=30, deadline=None)
+    def test_pack_roundtrip_property(self, bits, n8, seed):
+        rng = np.random.default_rng(seed)
+        codes = rng.integers(0, 1 << bits, size=(2, 8 * n8), dtype=np.uint8)
+        np.testing.assert_array_equal(oj.unpack(oj.pack(jnp.asarray(codes), bits), bits), codes)
+
+    def test_bad_pack_lengths(self):
+        with self.assertRaisesRegex(ValueError, "n=6"):
+            oj.pack(jnp.zeros((6,), jnp.uint8), 2)
+        with self.assertRaisesRegex(ValueError, "bits=5"):
+            oj.pack(jnp.zeros((8,), jnp.uint8), 5)
+
+
+class QuantizeTest(parameterized.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.product(
+        bits=(1, 2, 3, 4, 8), dtype=("float32", "bfloat16", "float16"), axis=(0, 1)
+    )
+    def test_error_within_half_step(self, bits, dtype, axis):
+        x = jax.random.normal(jax.random.PRNGKey(3), (64, 64)) * 4 + 1
+        fn = self.variant(lambda x: oj.quantize_groups(x, bits, 32, axis, jnp.dtype(dtype)))
+        codes, scale, zero = fn(x)
+        assert int(codes.max()) <= (1 << bits) - 1
+        x_hat = oj.dequantize_groups(codes, scale, zero, 32, axis)
+        step = jnp.repeat(scale.astype(jnp.float32), 32, axis=axis)
+        # half a step, plus the rounding of scale and zero to their dtype (relative eps * range)
+        eps = float(jnp.finfo(jnp.dtype(dtype)).eps)
+        slack = eps * (jnp.abs(x).max() + step * ((1 << bits) - 1)) + 1e-6
+        assert bool(jnp.all(jnp.abs(x_hat - x) <= step / 2 + slack))
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters(2, 4)
+    def test_constant_and_zero_groups_give_no_nan(self, bits):
+        x = jnp.concatenate([jnp.full((32, 8), 3.25), jnp.zeros((32, 8))], axis=0)
+        codes, scale, zero = self.variant(lambda x: oj.quantize_groups(x, bits, 32, 0, jnp.float32))(x)
+        x_hat = oj.dequantize_groups(codes, scale, zero, 32, 0)
+        assert bool(jnp.all(jnp.isfinite(x_hat)))
+        np.testing.assert_array_equal(x_hat, x)
+
+    def test_group_layout_keys_per_channel_values_per_token(self):
+        cfg = oj.preset("kivi", bits=2)
+        kh = jax.random.normal(jax.random.PRNGKey(0), (1, 2, 64, 128))
+        ek = oj.encode_keys_xla(kh, cfg)
+        ev = oj.encode_values_xla(kh, cfg)
+        assert ek.scale.shape == (1, 2, 2, 128)  # one per channel per 32 tokens
+        assert ev.scale.shape == (1, 2, 64, 4)  # one per token per 32 channels
+        assert ek.codes.shape == ev.codes.shape == (1, 2, 64, 32)
+        # a group's scale is set by its own 32 tokens only
+        kh2 = kh.at[:, :, 40].mul(100.0)
+        ek2 = oj.encode_keys_xla(kh2, cfg)
+        np.testing.assert_array_equal(ek2.scale[:, :, 0], ek.scale[:, :, 0])
+        assert not np.array_equal(ek2.scale[:, :, 1], ek.scale[:, :, 1])
+
+    @parameterized.parameters("bfloat16", "float32", "float8_e4m3fn")
+    def test_param_dtypes(self, pdt):
+        cfg = oj.preset("oscar", bits=2, param_dtype=pdt)
+        k = jax.random.normal(jax.random.PRNGKey(0), (1, 64, 2, 64))
+        ek = oj.encode_keys_xla(jnp.swapaxes(k, 1, 2), cfg)
+        assert ek.scale.dtype == jnp.dtype(pdt)
+        err = jnp.abs(oj.fake_quant_keys(k, cfg) - k).mean() / jnp.abs(k).mean()
+        assert float(err) < 0.5
+
+    def test_quant_helpers_reject_bad_group(self):
+        with self.assertRaisesRegex(ValueError, "group_size=32"):
+            quant.quantize_groups(jnp.ones((40,)), 2, 32, 0, jnp.float32)
