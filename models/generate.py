@@ -51,6 +51,7 @@ class Static(NamedTuple):
     max_len: int
     cache_dtype: str
     implementation: str
+    encode_implementation: str
     greedy: bool
     top_k: int | None
     use_top_p: bool
@@ -73,7 +74,7 @@ def _prefill(st: Static, params, ids, lengths):
             st.kv, batch=b, max_len=st.max_len, num_kv_heads=mc.num_kv_heads,
             head_dim=mc.head_dim, dtype=jnp.dtype(st.cache_dtype),
         )  # fmt: skip
-        return oj.prefill(c, k_l, v_l, lengths)
+        return oj.prefill(c, k_l, v_l, lengths, implementation=st.encode_implementation)
 
     return logits, jax.vmap(one)(k, v)
 
@@ -88,7 +89,7 @@ def _decode(st: Static, params, caches, tok, pos):
         lp, c = inp
         hn = layers.rms_norm(x, lp["attn_norm"], mc.rms_norm_eps)
         q, k, v = layers.qkv(mc, lp, hn, pos[:, None])
-        c = oj.append(c, k[:, 0], v[:, 0])
+        c = oj.append(c, k[:, 0], v[:, 0], implementation=st.encode_implementation)
         o = oj.decode_attention(q[:, 0], c, implementation=st.implementation)
         x = x + layers.dense(o.reshape(b, 1, mc.q_size).astype(x.dtype), lp["wo"], lp.get("bo"))
         x = x + layers.mlp(lp, layers.rms_norm(x, lp["mlp_norm"], mc.rms_norm_eps))
@@ -183,6 +184,7 @@ def prepare(
     max_len: int | None = None,
     cache_dtype=None,
     implementation: str = "xla",
+    encode_implementation: str = "xla",
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -234,6 +236,7 @@ def prepare(
     st = Static(
         model=m.config, kv=cache_kv, max_len=int(max_len),
         cache_dtype=jnp.dtype(cache_dtype or m.dtype).name, implementation=implementation,
+        encode_implementation=encode_implementation,
         greedy=greedy, top_k=None if greedy else top_k,
         use_top_p=(not greedy) and top_p is not None and top_p < 1.0,
         stop_tokens=stops, pad_id=int(pad_token_id),
@@ -257,6 +260,7 @@ def generate(
     max_len: int | None = None,
     cache_dtype=None,
     pad_token_id: int | None = None,
+    encode_implementation: str = "xla",
     return_info: bool = False,
 ):
     """Generate ``max_new_tokens`` tokens per row -> [B, N] int32 (and info with ``return_info``).
@@ -267,6 +271,8 @@ def generate(
     (default: the config's eos ids; ``()`` for none) end a row: it emits the stop
     token, then ``pad_token_id``. ``max_len`` is the cache capacity per row (default:
     prompt bucket + max_new_tokens). ``cache_dtype`` defaults to the model's dtype.
+    ``implementation`` picks ``oj.decode_attention``'s ("xla" or "pallas"),
+    ``encode_implementation`` the quantizer of ``oj.prefill`` / ``oj.append``.
     info: ``flags`` [B] (OR over layers of ``oj.FLAG_*``), ``cache_lengths`` [B], ``done`` [B].
     """
     kv = oj.preset("oscar", bits=2) if kv is None else kv
@@ -274,6 +280,7 @@ def generate(
         m, input_ids, max_new_tokens=max_new_tokens, kv=kv, lengths=lengths, max_len=max_len,
         cache_dtype=cache_dtype, implementation=implementation, temperature=temperature,
         top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, pad_token_id=pad_token_id,
+        encode_implementation=encode_implementation,
     )  # fmt: skip
     key = jax.random.key(seed)
     out, info = _generate_jit(

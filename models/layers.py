@@ -73,23 +73,41 @@ def mlp(lp, x):
     return dense((jax.nn.silu(g) * u).astype(x.dtype), lp["w_down"])
 
 
-def causal_attention(q, k, v, valid=None):
-    """Full-precision causal attention: q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D].
+QUERY_CHUNK = 256  # long prompts attend in blocks of queries: scores are [.., chunk, T]
 
-    ``valid`` [B, T] masks keys (right padding); a query only sees keys at or before it.
-    """
-    b, t, hq, d = q.shape
-    h = k.shape[2]
-    qg = q.astype(jnp.float32).reshape(b, t, h, hq // h, d)
+
+def _attend(qg, k, v, q_pos, valid):
+    """qg [B,C,Hkv,g,D] f32 at positions q_pos [C] over all keys k/v [B,T,Hkv,D]."""
+    d = qg.shape[-1]
+    t = k.shape[1]
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32), precision=HIGHEST)
     s = s * (1.0 / np.sqrt(d))
-    mask = jnp.tril(jnp.ones((t, t), bool))[None]
+    mask = (jnp.arange(t)[None, :] <= q_pos[:, None])[None]  # [1, C, T]
     if valid is not None:
         mask = mask & valid[:, None, :]
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(mask[:, None, None], p, 0.0)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=HIGHEST)
+    return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=HIGHEST)
+
+
+def causal_attention(q, k, v, valid=None, chunk: int = QUERY_CHUNK):
+    """Full-precision causal attention: q [B,T,Hq,D], k/v [B,T,Hkv,D] -> [B,T,Hq,D].
+
+    ``valid`` [B, T] masks keys (right padding); a query only sees keys at or before it.
+    Prompts longer than ``chunk`` (and divisible by it) run ``lax.map`` over query blocks.
+    """
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, h, hq // h, d)
+    if t <= chunk or t % chunk:
+        o = _attend(qg, k, v, jnp.arange(t), valid)
+    else:
+        n = t // chunk
+        qc = jnp.moveaxis(qg.reshape(b, n, chunk, h, hq // h, d), 1, 0)
+        pos = jnp.arange(t).reshape(n, chunk)
+        o = jax.lax.map(lambda a: _attend(a[0], k, v, a[1], valid), (qc, pos))
+        o = jnp.moveaxis(o, 0, 1)
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 

@@ -11,6 +11,7 @@ Public API (shapes: B batch, T tokens, Hkv KV heads, Hq query heads, D head_dim)
     k_deq, v_deq = dequantize(cache)                 # [B, L, Hkv, D]
 """
 
+from oscar_jax import diagnostics
 from oscar_jax.attention import (
     decode_attention,
     decode_attention_xla,
@@ -43,7 +44,6 @@ from oscar_jax.config import METHODS, KVQuantConfig, preset
 from oscar_jax.fake_quant import fake_quant_keys, fake_quant_values
 from oscar_jax.hadamard import fwht, hadamard_matrix, rotate, rotation_matrix, unrotate
 from oscar_jax.quant import dequantize_groups, pack, quantize_groups, unpack
-from oscar_jax import diagnostics
 
 __all__ = [
     "FLAG_BAD_LENGTH", "FLAG_NONFINITE", "FLAG_OVERFLOW", "METHODS", "EncodedKeys",

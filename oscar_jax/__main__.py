@@ -45,9 +45,7 @@ def memory_table(seed: int, tokens: int, heads: int = 8, head_dim: int = 128) ->
     rows = []
     for m, bits in (("bf16", 16), ("oscar", 2), ("oscar", 4), ("kivi", 2)):
         cfg = oj.preset(m) if m == "bf16" else oj.preset(m, bits=bits)
-        cache = oj.init_cache(
-            cfg, batch=1, max_len=tokens, num_kv_heads=heads, head_dim=head_dim
-        )
+        cache = oj.init_cache(cfg, batch=1, max_len=tokens, num_kv_heads=heads, head_dim=head_dim)
         cache = oj.prefill(cache, k, v)
         total = oj.cache_nbytes(cache)
         per_q, _ = oj.cache._per_token_bytes(cache)

@@ -107,11 +107,11 @@ def decode_attention_xla(
         v_rot = codec.decode_values(ev, cfg)
         q_rot = hadamard.rotate(qg, cfg) if cfg.rotate_keys else qg
         s = jnp.einsum("bhgd,bhtd->bhgt", q_rot, k_rot, precision=HIGHEST) * scale
-        valid = (jnp.arange(cache.quant_capacity)[None, :] < cache.num_quantized()[:, None])
-        acc, m, l = _softmax_part(s, valid[:, None, None, :], v_rot)
+        valid = jnp.arange(cache.quant_capacity)[None, :] < cache.num_quantized()[:, None]
+        acc, m, denom = _softmax_part(s, valid[:, None, None, :], v_rot)
         if cfg.rotate_values:
             acc = hadamard.unrotate(acc, cfg)
-        parts.append((acc, m, l))
+        parts.append((acc, m, denom))
     out = merge_partials(parts)
     return out.reshape(b, hq, d).astype(q.dtype)
 

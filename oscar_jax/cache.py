@@ -93,7 +93,7 @@ class KVCache:
     def quant_capacity(self) -> int:
         return self.k_codes.shape[2]
 
-    def num_quantized(self) -> Int[Array, "B"]:
+    def num_quantized(self) -> Int[Array, " B"]:
         """nq per row: tokens in the quantized part."""
         return quantized_count(self.lengths, self.cfg)
 
@@ -173,8 +173,7 @@ def _check_kv(cache: KVCache, k, v, rank: int, what: str) -> None:
     want = (cache.batch, cache.num_kv_heads, cache.head_dim)
     if (b, h, d) != want:
         raise ValueError(
-            f"k.shape={k.shape} must have (batch, num_kv_heads, head_dim)={want} "
-            "to match the cache"
+            f"k.shape={k.shape} must have (batch, num_kv_heads, head_dim)={want} to match the cache"
         )
 
 
@@ -195,7 +194,7 @@ def prefill(
     cache: KVCache,
     k: Float[Array, "B T H D"],
     v: Float[Array, "B T H D"],
-    lengths: Int[Array, "B"] | None = None,
+    lengths: Int[Array, " B"] | None = None,
     *,
     implementation: str = "xla",
     **options,
@@ -227,9 +226,7 @@ def prefill(
     kh = jnp.swapaxes(k, 1, 2)  # [B, H, T, D]
     vh = jnp.swapaxes(v, 1, 2)
     valid_tok = (jnp.arange(t)[None, :] < n[:, None])[:, None, :, None]
-    flags = bad | _nonfinite_rows(
-        jnp.where(valid_tok, kh, 0), jnp.where(valid_tok, vh, 0)
-    )
+    flags = bad | _nonfinite_rows(jnp.where(valid_tok, kh, 0), jnp.where(valid_tok, vh, 0))
     nq = quantized_count(n, cfg)
     fields = {}
     if cfg.quantized:
@@ -262,7 +259,9 @@ def prefill(
     okm = ok[:, None, :, None]
 
     def ring(x):
-        g_ = jnp.take_along_axis(x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape[2:3] + x.shape[3:]), 2)
+        g_ = jnp.take_along_axis(
+            x, jnp.broadcast_to(idx, x.shape[:2] + idx.shape[2:3] + x.shape[3:]), 2
+        )
         return jnp.where(okm, g_, 0).astype(cache.dtype)
 
     return dataclasses.replace(
@@ -376,11 +375,15 @@ def dequantize(cache: KVCache) -> tuple[Float[Array, "B L H D"], Float[Array, "B
     tok, ok = _residual_tokens(nq, n, cache.slots)
     pos = jnp.where(ok, tok, L)  # invalid slots scatter out of bounds and are dropped
     rows = jnp.arange(b)[:, None]
-    k = jnp.swapaxes(k, 1, 2).at[rows, pos].set(
-        jnp.swapaxes(cache.k_res, 1, 2).astype(jnp.float32), mode="drop"
+    k = (
+        jnp.swapaxes(k, 1, 2)
+        .at[rows, pos]
+        .set(jnp.swapaxes(cache.k_res, 1, 2).astype(jnp.float32), mode="drop")
     )
-    v = jnp.swapaxes(v, 1, 2).at[rows, pos].set(
-        jnp.swapaxes(cache.v_res, 1, 2).astype(jnp.float32), mode="drop"
+    v = (
+        jnp.swapaxes(v, 1, 2)
+        .at[rows, pos]
+        .set(jnp.swapaxes(cache.v_res, 1, 2).astype(jnp.float32), mode="drop")
     )
     return k, v
 

@@ -34,9 +34,7 @@ def group_norm_range(k: Float[Array, "B T H D"], group_size: int) -> Float[Array
     return jnp.max(n, axis=2) - jnp.min(n, axis=2)
 
 
-def group_key_mse(
-    k: Float[Array, "B T H D"], cfg: KVQuantConfig
-) -> Float[Array, "B T/G H"]:
+def group_key_mse(k: Float[Array, "B T H D"], cfg: KVQuantConfig) -> Float[Array, "B T/G H"]:
     """Mean squared key reconstruction error of each group of G tokens, per head."""
     g = cfg.group_size
     e = jnp.square(fake_quant_keys(k, cfg).astype(jnp.float32) - k.astype(jnp.float32))
@@ -67,7 +65,7 @@ def reconstruction_report(
     k: Float[Array, "B T H D"],
     v: Float[Array, "B T H D"],
     cfg: KVQuantConfig,
-    sink_mask: Float[Array, "T"] | None = None,
+    sink_mask: Float[Array, " T"] | None = None,
 ) -> dict[str, float]:
     """Key/value MSE, sink tokens' relative key error and attention-output error of a method.
 

@@ -60,7 +60,7 @@ class QuantizeTuning:
     """
 
     groups_per_block: int = 2
-    num_warps: int = 4
+    num_warps: int = 2
     num_stages: int = 1
     exact_division: bool = True
 
@@ -374,7 +374,7 @@ def _encode_pallas(k, v, spec: _Spec):
 
 def encode(
     k, v, cfg: KVQuantConfig, *, interpret: bool | None = None, groups_per_block: int = 2,
-    num_warps: int = 4, num_stages: int = 1, exact_division: bool = True,
+    num_warps: int = 2, num_stages: int = 1, exact_division: bool = True,
 ) -> tuple[codec.EncodedKeys, codec.EncodedValues]:  # fmt: skip
     """Fused encoder of head-major k, v [B, H, T, D] (T a multiple of G); codec's layout.
 

@@ -30,8 +30,7 @@ def exact_attention_f64(q, k, v, lengths):
 
 def filled(cfg, k, v, lengths, max_len):
     b, _, h, d = k.shape
-    c = oj.init_cache(cfg, batch=b, max_len=max_len, num_kv_heads=h, head_dim=d,
-                      dtype=k.dtype)
+    c = oj.init_cache(cfg, batch=b, max_len=max_len, num_kv_heads=h, head_dim=d, dtype=k.dtype)
     return oj.prefill(c, k, v, lengths)
 
 

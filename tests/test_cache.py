@@ -30,8 +30,9 @@ class CacheTest(parameterized.TestCase):
         cfg = small_cfg(method, **kw)
         b, t, h, d = 1, 167, 2, 64
         k, v = kv_with_sinks(1, b, t, h, d)
-        empty = oj.init_cache(cfg, batch=b, max_len=200, num_kv_heads=h, head_dim=d,
-                              dtype=jnp.float32)
+        empty = oj.init_cache(
+            cfg, batch=b, max_len=200, num_kv_heads=h, head_dim=d, dtype=jnp.float32
+        )
         want = oj.prefill(empty, k, v)
         got = _fill_by_append(empty, (k, v), t)
         chex.assert_trees_all_equal(got, want)
@@ -43,13 +44,14 @@ class CacheTest(parameterized.TestCase):
         b, t, h, d = 3, 150, 2, 64
         k, v = kv_with_sinks(2, b, t, h, d)
         lengths = jnp.array([150, 7, 97])
-        mk = lambda bb: oj.init_cache(cfg, batch=bb, max_len=200, num_kv_heads=h, head_dim=d,
-                                      dtype=jnp.float32)
+        mk = lambda bb: oj.init_cache(
+            cfg, batch=bb, max_len=200, num_kv_heads=h, head_dim=d, dtype=jnp.float32
+        )
         full = jax.jit(oj.prefill)(mk(b), k, v, lengths)
         for i in range(b):
             n = int(lengths[i])
             alone = oj.prefill(mk(1), k[i : i + 1, :n], v[i : i + 1, :n])
-            row = jax.tree_util.tree_map(lambda x: x[i : i + 1], full)
+            row = jax.tree_util.tree_map(lambda x, i=i: x[i : i + 1], full)
             chex.assert_trees_all_equal(row, alone)
         # and appending continues each row independently
         k2, v2 = kv_with_sinks(3, b, 40, h, d)
@@ -62,14 +64,15 @@ class CacheTest(parameterized.TestCase):
             kk = jnp.concatenate([k[i : i + 1, :n], k2[i : i + 1]], 1)
             vv = jnp.concatenate([v[i : i + 1, :n], v2[i : i + 1]], 1)
             alone = oj.prefill(mk(1), kk, vv)
-            chex.assert_trees_all_equal(jax.tree_util.tree_map(lambda x: x[i : i + 1], c), alone)
+            chex.assert_trees_all_equal(
+                jax.tree_util.tree_map(lambda x, i=i: x[i : i + 1], c), alone
+            )
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_dequantize_places_tokens_and_zeros_past_length(self):
         cfg = small_cfg("oscar", bits=8)
         k, v = kv_with_sinks(4, 2, 130, 2, 64)
-        c = oj.init_cache(cfg, batch=2, max_len=140, num_kv_heads=2, head_dim=64,
-                          dtype=jnp.float32)
+        c = oj.init_cache(cfg, batch=2, max_len=140, num_kv_heads=2, head_dim=64, dtype=jnp.float32)
         c = oj.prefill(c, k, v, jnp.array([130, 50]))
         kd, vd = self.variant(oj.dequantize)(c)
         assert kd.shape == (2, 140, 2, 64)
@@ -100,8 +103,7 @@ class CacheTest(parameterized.TestCase):
     def test_overflow_under_jit_never_overwrites(self):
         cfg = small_cfg("oscar")
         k, v = kv_with_sinks(6, 2, 128, 2, 64)
-        c = oj.init_cache(cfg, batch=2, max_len=128, num_kv_heads=2, head_dim=64,
-                          dtype=jnp.float32)
+        c = oj.init_cache(cfg, batch=2, max_len=128, num_kv_heads=2, head_dim=64, dtype=jnp.float32)
         c = oj.prefill(c, k, v, jnp.array([128, 100]))
         c2 = jax.jit(oj.append)(c, k[:, 5] + 1.0, v[:, 5] + 1.0)
         assert c2.lengths.tolist() == [128, 101]
@@ -199,10 +201,18 @@ class ErrorTest(parameterized.TestCase):
         with self.assertRaisesRegex(ValueError, "v.shape"):
             oj.append(c, k[:, 0], k[:, 0, :1])
         with self.assertRaisesRegex(ValueError, "implementation='cuda'"):
-            oj.prefill(oj.init_cache(oj.preset("kivi", residual_length=0), batch=2, max_len=64,
-                                     num_kv_heads=2, head_dim=64),
-                       jnp.ones((2, 64, 2, 64)), jnp.ones((2, 64, 2, 64)),
-                       implementation="cuda")
+            oj.prefill(
+                oj.init_cache(
+                    oj.preset("kivi", residual_length=0),
+                    batch=2,
+                    max_len=64,
+                    num_kv_heads=2,
+                    head_dim=64,
+                ),
+                jnp.ones((2, 64, 2, 64)),
+                jnp.ones((2, 64, 2, 64)),
+                implementation="cuda",
+            )
 
 
 if __name__ == "__main__":

@@ -38,11 +38,13 @@ def make_case(method, *, bits=2, d=128, gqa=4, h=2, lens=(700, 100, 0, 301), max
 CASES = {
     # name: (make_case kwargs, kernel options)
     "int2_d128_gqa4_ragged": (dict(method="oscar"), dict(block_tokens=64, blocks_per_split=3)),
-    "int4_d64_gqa1": (dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200)), {}),
+    "int4_d64_gqa1": (dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200)),
+                      dict(pipeline=True)),
     "int2_d256_gqa8_per_token": (
         dict(method="oscar", d=256, gqa=8, h=1, lens=(905, 131), norm_granularity="per_token"),
-        dict(block_tokens=128, blocks_per_split=2)),
-    "kivi_int2_d64_gqa8": (dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)), {}),
+        dict(block_tokens=128, blocks_per_split=2, pipeline=True)),
+    "kivi_int2_d64_gqa8": (dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)),
+                           dict(fuse_ring=False)),
     "bf16_d128_gqa4": (dict(method="bf16", lens=(300, 77, 0), max_len=500),
                        dict(block_tokens=64, blocks_per_split=2)),
 }

@@ -45,9 +45,15 @@ class HadamardTest(parameterized.TestCase):
         np.testing.assert_allclose(np.asarray(oj.rotate(k, cfg)), np.asarray(k) @ r.T, atol=1e-4)
 
     def test_random_rotation_is_seeded(self):
-        a = oj.rotation_matrix(oj.preset("oscar", rotation="random_orthogonal", rotation_seed=1), 64)
-        b = oj.rotation_matrix(oj.preset("oscar", rotation="random_orthogonal", rotation_seed=1), 64)
-        c = oj.rotation_matrix(oj.preset("oscar", rotation="random_orthogonal", rotation_seed=2), 64)
+        a = oj.rotation_matrix(
+            oj.preset("oscar", rotation="random_orthogonal", rotation_seed=1), 64
+        )
+        b = oj.rotation_matrix(
+            oj.preset("oscar", rotation="random_orthogonal", rotation_seed=1), 64
+        )
+        c = oj.rotation_matrix(
+            oj.preset("oscar", rotation="random_orthogonal", rotation_seed=2), 64
+        )
         np.testing.assert_array_equal(a, b)
         assert np.abs(a - c).max() > 0.1
 

@@ -22,8 +22,9 @@ class PackTest(parameterized.TestCase):
         assert packed.dtype == jnp.uint8
         n_axis = 1 if axis == 1 else 2
         assert packed.shape[n_axis] == codes.shape[n_axis] * bits // 8
-        np.testing.assert_array_equal(self.variant(lambda p: oj.unpack(p, bits, axis=axis))(packed),
-                                      codes)
+        np.testing.assert_array_equal(
+            self.variant(lambda p: oj.unpack(p, bits, axis=axis))(packed), codes
+        )
 
     def test_planar_layout_int2(self):
         codes = jnp.arange(16, dtype=jnp.uint8) % 4  # 16 codes -> 4 bytes, P = 4
@@ -32,7 +33,9 @@ class PackTest(parameterized.TestCase):
             want = sum(int(codes[j + i * 4]) << (2 * i) for i in range(4))
             assert packed[j] == want
 
-    @given(bits=st.sampled_from([1, 2, 3, 4, 8]), n8=st.integers(1, 16), seed=st.integers(0, 2**31 - 1))
+    @given(
+        bits=st.sampled_from([1, 2, 3, 4, 8]), n8=st.integers(1, 16), seed=st.integers(0, 2**31 - 1)
+    )
     @settings(max_examples=30, deadline=None)
     def test_pack_roundtrip_property(self, bits, n8, seed):
         rng = np.random.default_rng(seed)
@@ -67,7 +70,9 @@ class QuantizeTest(parameterized.TestCase):
     @parameterized.parameters(2, 4)
     def test_constant_and_zero_groups_give_no_nan(self, bits):
         x = jnp.concatenate([jnp.full((32, 8), 3.25), jnp.zeros((32, 8))], axis=0)
-        codes, scale, zero = self.variant(lambda x: oj.quantize_groups(x, bits, 32, 0, jnp.float32))(x)
+        codes, scale, zero = self.variant(
+            lambda x: oj.quantize_groups(x, bits, 32, 0, jnp.float32)
+        )(x)
         x_hat = oj.dequantize_groups(codes, scale, zero, 32, 0)
         assert bool(jnp.all(jnp.isfinite(x_hat)))
         np.testing.assert_array_equal(x_hat, x)
