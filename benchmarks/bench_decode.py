@@ -88,8 +88,9 @@ def xla_bf16(q, k_hm, v_hm):
     qg = q.reshape(b, HKV, HQ // HKV, D)
     s = jnp.einsum("bhgd,bhtd->bhgt", qg, k_hm, preferred_element_type=jnp.float32) / np.sqrt(D)
     p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bhgt,bhtd->bhgd", p.astype(v_hm.dtype), v_hm,
-                   preferred_element_type=jnp.float32)
+    o = jnp.einsum(
+        "bhgt,bhtd->bhgd", p.astype(v_hm.dtype), v_hm, preferred_element_type=jnp.float32
+    )
     return o.reshape(b, HQ, D).astype(q.dtype)
 
 
@@ -107,11 +108,18 @@ def run_shape(b, ctx, args, log):
     bf_bytes = 2 * k_hm.size * 2
     T = lambda f: device_time(f, q, args.reps, args.calls)  # noqa: E731
     variants = json.loads(args.variants) if args.variants else [{}]
+    if args.variant_shapes and f"{b}x{ctx}" not in args.variant_shapes.split(","):
+        variants = variants[:1]
     for i, ov in enumerate(variants):
         name = "int2" if i == 0 else "int2 " + json.dumps(ov, sort_keys=True)
         try:
             t = T(lambda qq, ov=ov: oj.decode_attention(qq, c2, implementation="pallas", **ov))
             res[name] = dict(ms=t * 1e3, bytes=nb, opts=ov)
+            if args.check and not ov.get("ablate"):
+                out = oj.decode_attention(q, c2, implementation="pallas", **ov)
+                ref = oj.decode_attention(q, c2).astype(jnp.float32)
+                err = jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))
+                res[name]["max_rel"] = float(err)
         except Exception as e:  # noqa: BLE001  (report and continue)
             res[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         log(f"{b}x{ctx} {name}: {res[name]}")
@@ -119,7 +127,8 @@ def run_shape(b, ctx, args, log):
         "bf16 pallas (ours)": lambda qq: oj.decode_attention(qq, cb, implementation="pallas"),
         "xla einsum bf16": lambda qq: xla_bf16(qq, k_hm, v_hm),
         "cudnn bf16": lambda qq: jax.nn.dot_product_attention(
-            qq[:, None], k_bl, v_bl, implementation="cudnn")[:, 0],
+            qq[:, None], k_bl, v_bl, implementation="cudnn"
+        )[:, 0],
     }
     if not args.no_gqa:
         import warnings
@@ -127,12 +136,12 @@ def run_shape(b, ctx, args, log):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             from jax.experimental.pallas.ops.gpu import decode_attention as gqa_mod
-        for ks in (8, 16, 32):
+        for ks in (int(x) for x in args.gqa_splits.split(",")):
             if ctx % ks or (ctx // ks) % 128:
                 continue
-            peers[f"pallas gqa k_splits={ks}"] = (
-                lambda qq, ks=ks: gqa_mod.gqa(qq, jnp.swapaxes(k_hm, 1, 2),
-                                              jnp.swapaxes(v_hm, 1, 2), k_splits=ks))
+            peers[f"pallas gqa k_splits={ks}"] = lambda qq, ks=ks: gqa_mod.gqa(
+                qq, jnp.swapaxes(k_hm, 1, 2), jnp.swapaxes(v_hm, 1, 2), k_splits=ks
+            )
     for name, f in peers.items():
         try:
             res[name] = dict(ms=T(f) * 1e3, bytes=bf_bytes)
@@ -150,24 +159,32 @@ def run_shape(b, ctx, args, log):
         ref = xla_bf16(q, k_hm, v_hm).astype(jnp.float32)
         out = oj.decode_attention(q, cb, implementation="pallas").astype(jnp.float32)
         res["check_bf16_max_rel"] = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
-        log(f"{b}x{ctx} checks: int2 {res['check_int2_max_rel']:.2e} "
-            f"bf16 {res['check_bf16_max_rel']:.2e}")
+        log(
+            f"{b}x{ctx} checks: int2 {res['check_int2_max_rel']:.2e} "
+            f"bf16 {res['check_bf16_max_rel']:.2e}"
+        )
     return res
 
 
 def table(results, copy_bw, header):
     cols = ["int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
-    lines = [header, "",
-             "| batch x context | " + " | ".join(cols) + " | fastest BF16 / INT2 | "
-             "INT2 GB/s (% of copy) |", "|" + "---|" * (len(cols) + 3)]
+    lines = [
+        header,
+        "",
+        "| batch x context | " + " | ".join(cols) + " | fastest BF16 / INT2 | "
+        "INT2 GB/s (% of copy) |",
+        "|" + "---|" * (len(cols) + 3),
+    ]
     for shape, res in results.items():
         cells = [f"{res[c]['ms']:.4f} ms" if "ms" in res.get(c, {}) else "n/a" for c in cols]
         bf = [res[c]["ms"] for c in cols[1:] if "ms" in res.get(c, {})]
         if "ms" in res.get("int2", {}) and bf:
             t = res["int2"]["ms"] * 1e-3
             bw = res["int2"]["bytes"] / t
-            extra = [f"{min(bf) / res['int2']['ms']:.2f}x",
-                     f"{bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%)"]
+            extra = [
+                f"{min(bf) / res['int2']['ms']:.2f}x",
+                f"{bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%)",
+            ]
         else:
             extra = ["n/a", "n/a"]
         lines.append(f"| {shape} | " + " | ".join(cells + extra) + " |")
@@ -187,8 +204,9 @@ def plot(results, path):
     names = ["int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for b in sorted({int(s.split("x")[0]) for s in results}):
-        rows = sorted((int(s.split("x")[1]), r) for s, r in results.items()
-                      if int(s.split("x")[0]) == b)
+        rows = sorted(
+            (int(s.split("x")[1]), r) for s, r in results.items() if int(s.split("x")[0]) == b
+        )
         for n in names:
             pts = [(c, r[n]["ms"]) for c, r in rows if "ms" in r.get(n, {})]
             if len(pts):
@@ -213,6 +231,8 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--no-gqa", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=2048)
+    ap.add_argument("--gqa-splits", default="8,16,32", help="k_splits tried for Pallas gqa")
+    ap.add_argument("--variant-shapes", default="", help="shapes that run all --variants")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     logf = open(os.path.join(args.out, "bench_decode.log"), "a")
@@ -232,14 +252,30 @@ def main():
         b, c = (int(x) for x in s.split("x"))
         log(f"heuristic for {s}: {pdec.choose_config(b, HKV, c, 32)}")
         results[s] = run_shape(b, c, args, log)
-    header = (f"Decode attention, one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128), "
-              f"{dev.device_kind}, jax {jax.__version__}, "
-              f"{time.strftime('%Y-%m-%d', time.gmtime())}; device-side per-call time "
-              f"(median of {args.calls} host calls of {args.reps} chained steps).")
+        with open(os.path.join(args.out, "decode_bench.json"), "w") as f:  # partial results
+            json.dump(
+                dict(
+                    copy_bytes_per_s=bw,
+                    results=results,
+                    device=dev.device_kind,
+                    jax=jax.__version__,
+                ),
+                f,
+                indent=1,
+            )
+    header = (
+        f"Decode attention, one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128), "
+        f"{dev.device_kind}, jax {jax.__version__}, "
+        f"{time.strftime('%Y-%m-%d', time.gmtime())}; device-side per-call time "
+        f"(median of {args.calls} host calls of {args.reps} chained steps)."
+    )
     md = table(results, bw, header)
     with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
-        json.dump(dict(copy_bytes_per_s=bw, results=results, device=dev.device_kind,
-                       jax=jax.__version__), f, indent=1)
+        json.dump(
+            dict(copy_bytes_per_s=bw, results=results, device=dev.device_kind, jax=jax.__version__),
+            f,
+            indent=1,
+        )
     with open(os.path.join(args.out, "decode_bench.md"), "w") as f:
         f.write(md + "\n")
     plot(results, os.path.join(args.out, "decode_bench.png"))

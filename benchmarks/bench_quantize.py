@@ -66,6 +66,8 @@ def compare(ek, ev, rk, rv, bits):
                        ("k_norm", ek.norm, rk.norm), ("v_scale", ev.scale, rv.scale),
                        ("v_zero", ev.zero, rv.zero)):  # fmt: skip
         out[f"{name}_ulp"] = ulp_dist(a, b)
+        a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        out[f"{name}_rel"] = float(np.max(np.abs(a32 - b32)) / max(np.max(np.abs(b32)), 1e-30))
     return out
 
 
@@ -92,25 +94,36 @@ def xla_division_check(log):
     q = np.asarray(jax.jit(lambda a, b: a / b)(x, y))
     r = np.asarray(jax.jit(lambda b: 1.0 / b)(y))
     s = np.asarray(jax.jit(lambda a: jnp.sqrt(a))(y))
-    out = dict(div_mismatch=int(np.sum(q != x / y)), rcp_mismatch=int(np.sum(r != 1 / y)),
-               sqrt_mismatch=int(np.sum(s != np.sqrt(y))), n=x.size)
+    out = dict(
+        div_mismatch=int(np.sum(q != x / y)),
+        rcp_mismatch=int(np.sum(r != 1 / y)),
+        sqrt_mismatch=int(np.sum(s != np.sqrt(y))),
+        n=x.size,
+    )
     log(json.dumps(out))
     return out
 
 
-def run_checks(log):
+def run_checks(log, limit=None):
     rows = [xla_division_check(log)]
-    for i, (method, bits, d, g, dt, ov, t) in enumerate(CHECKS):
+    for i, (method, bits, d, g, dt, ov, t) in enumerate(CHECKS[:limit]):
         cfg = oj.preset(method, bits=bits, group_size=g, **ov)
         k, v = make_kv(jax.random.PRNGKey(i), (2, 4, t, d), jnp.dtype(dt))
         row = dict(method=method, bits=bits, D=d, G=g, dtype=dt, T=t, **ov)
         try:
             ek, ev = qk.encode(k, v, cfg, interpret=False)
-            rk, rv = jax.jit(lambda k, v, c=cfg: (oj.encode_keys_xla(k, c),
-                                                  oj.encode_values_xla(v, c)))(k, v)
+            rk, rv = jax.jit(
+                lambda k, v, c=cfg: (oj.encode_keys_xla(k, c), oj.encode_values_xla(v, c))
+            )(k, v)
             row.update(compare(ek, ev, rk, rv, bits))
             fk, fv = qk.encode(k, v, cfg, interpret=False, exact_division=False)
             row["fastdiv_vs_xla"] = compare(fk, fv, rk, rv, bits)
+            cpu = jax.devices("cpu")[0]  # XLA on the host CPU divides IEEE-exactly
+            with jax.default_device(cpu):
+                kc, vc = jax.device_put(k, cpu), jax.device_put(v, cpu)
+                ck, cv = oj.encode_keys_xla(kc, cfg), oj.encode_values_xla(vc, cfg)
+            row["kernel_vs_xla_cpu"] = compare(ek, ev, ck, cv, bits)
+            row["xla_gpu_vs_xla_cpu"] = compare(rk, rv, ck, cv, bits)
         except Exception as e:  # report every config, keep going
             row["error"] = f"{type(e).__name__}: {str(e)[:1500]}"
         log(json.dumps(row))
@@ -178,6 +191,9 @@ VARIANTS = {  # name -> encode options (None: the XLA path)
     "pallas gpb2 w2": dict(groups_per_block=2, num_warps=2),
     "pallas gpb2 w8": dict(groups_per_block=2, num_warps=8),
     "pallas gpb2 w4 fastdiv": dict(groups_per_block=2, num_warps=4, exact_division=False),
+    "pallas gpb1 w2": dict(groups_per_block=1, num_warps=2),
+    "pallas gpb1 w1": dict(groups_per_block=1, num_warps=1),
+    "pallas gpb1 w2 fastdiv": dict(groups_per_block=1, num_warps=2, exact_division=False),
 }
 
 
@@ -197,8 +213,14 @@ def run_bench(log, tokens=(32768, 131072), variants=None):
                 enc = lambda k, v, o=opts: qk.encode(k, v, cfg, interpret=False, **o)
             try:
                 sec = chain_time(enc, (k, v))
-                row = dict(T=t, variant=name, ms=sec * 1e3, tbps=nbytes / sec / 1e12,
-                           frac_copy=nbytes / sec / bw_copy, mbytes=nbytes / 2**20)
+                row = dict(
+                    T=t,
+                    variant=name,
+                    ms=sec * 1e3,
+                    tbps=nbytes / sec / 1e12,
+                    frac_copy=nbytes / sec / bw_copy,
+                    mbytes=nbytes / 2**20,
+                )
             except Exception as e:
                 row = dict(T=t, variant=name, error=f"{type(e).__name__}: {str(e)[:800]}")
             log(json.dumps(row))
@@ -211,6 +233,9 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--tokens", default="32768,131072", help="comma-separated prefill lengths")
+    ap.add_argument("--variants", default="", help="comma-separated VARIANTS names (all if empty)")
+    ap.add_argument("--checks", type=int, default=None, help="run only the first N checks")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     logf = open(os.path.join(a.out, "quantize_log.txt"), "a")
@@ -220,19 +245,28 @@ def main():
         logf.write(s + "\n")
         logf.flush()
 
-    res = dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-               device=str(jax.devices()[0]), jax=jax.__version__)
+    res = dict(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        device=str(jax.devices()[0]),
+        jax=jax.__version__,
+    )
     if a.check:
-        res["checks"] = run_checks(log)
+        res["checks"] = run_checks(log, a.checks)
     if a.bench:
-        res["bench"] = run_bench(log)
+        names = [n for n in a.variants.split(",") if n] or list(VARIANTS)
+        if "xla" not in names:
+            names.insert(0, "xla")
+        tokens = tuple(int(x) for x in a.tokens.split(","))
+        res["bench"] = run_bench(log, tokens, {n: VARIANTS[n] for n in names})
         xla = {r["T"]: r["ms"] for r in res["bench"]["rows"] if r["variant"] == "xla" and "ms" in r}
         print("\n| T | variant | ms | TB/s | frac of copy | speedup vs XLA |")
         print("|---|---|---|---|---|---|")
         for r in res["bench"]["rows"]:
             if "ms" in r:
-                print(f"| {r['T']} | {r['variant']} | {r['ms']:.4f} | {r['tbps']:.2f} | "
-                      f"{r['frac_copy']:.2f} | {xla.get(r['T'], float('nan')) / r['ms']:.1f}x |")
+                print(
+                    f"| {r['T']} | {r['variant']} | {r['ms']:.4f} | {r['tbps']:.2f} | "
+                    f"{r['frac_copy']:.2f} | {xla.get(r['T'], float('nan')) / r['ms']:.1f}x |"
+                )
     with open(os.path.join(a.out, "quantize.json"), "w") as f:
         json.dump(res, f, indent=1)
 

@@ -47,15 +47,6 @@ def check_query(q, cache: KVCache) -> int:
     return hq // cache.num_kv_heads
 
 
-def residual_scores(
-    qg: Float[Array, "b h g d"], cache: KVCache, scale: float
-) -> tuple[Float[Array, "b h g S"], Array]:
-    """Scores of the query against the residual ring, and the slots' validity [b, 1, 1, S]."""
-    s = jnp.einsum("bhgd,bhtd->bhgt", qg, cache.k_res.astype(jnp.float32), precision=HIGHEST)
-    _, ok = _residual_tokens(cache.num_quantized(), cache.lengths, cache.slots)
-    return s * scale, ok[:, None, None, :]
-
-
 def merge_partials(parts):
     """Combine [(acc [b,h,g,d], m [b,h,g], l [b,h,g]), ...] into normalised outputs [b,h,g,d].
 
@@ -64,14 +55,19 @@ def merge_partials(parts):
     m = parts[0][1]
     for _, mi, _ in parts[1:]:
         m = jnp.maximum(m, mi)
+    acc, lse = rescale_partials(parts, m)
+    return jnp.where(lse[..., None] > 0, acc / jnp.where(lse > 0, lse, 1.0)[..., None], 0.0)
+
+
+def rescale_partials(parts, m):
+    """Sum of the parts' (acc, l) rescaled to the common max m (used across shards too)."""
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    acc = 0.0
-    lse = 0.0
+    acc, lse = 0.0, 0.0
     for a, mi, li in parts:
         w = jnp.where(jnp.isfinite(mi), jnp.exp(mi - m_safe), 0.0)
         acc = acc + a * w[..., None]
         lse = lse + li * w
-    return jnp.where(lse[..., None] > 0, acc / jnp.where(lse > 0, lse, 1.0)[..., None], 0.0)
+    return acc, lse
 
 
 def _softmax_part(s, valid, v):
@@ -84,36 +80,50 @@ def _softmax_part(s, valid, v):
     return acc, m, jnp.sum(p, axis=-1)
 
 
-def residual_partial(qg, cache: KVCache, scale: float):
-    """(acc, max, sum) over the full-precision residual ring, original basis."""
-    s, ok = residual_scores(qg, cache, scale)
-    return _softmax_part(s, ok, cache.v_res.astype(jnp.float32))
+def residual_partial(qg: Float[Array, "b h g d"], cache: KVCache, scale: float, offset=0):
+    """(acc, max, sum) over the cache's ring slots (a shard starting at global slot offset)."""
+    s = jnp.einsum("bhgd,bhtd->bhgt", qg, cache.k_res.astype(jnp.float32), precision=HIGHEST)
+    _, ok = _residual_tokens(
+        cache.num_quantized(), cache.lengths, cache.slots_total, offset, cache.slots
+    )
+    return _softmax_part(s * scale, ok[:, None, None, :], cache.v_res.astype(jnp.float32))
+
+
+def quantized_partial(q_rot: Float[Array, "b h g d"], cache: KVCache, scale: float, offset=0):
+    """(acc, max, sum) over the quantized part (a shard starting at token offset), rotated basis."""
+    ek, ev = quantized_parts(cache)
+    k_rot = codec.decode_keys(ek, cache.cfg)  # [b, h, t, d] rotated basis, norms applied
+    v_rot = codec.decode_values(ev, cache.cfg)
+    s = jnp.einsum("bhgd,bhtd->bhgt", q_rot, k_rot, precision=HIGHEST) * scale
+    pos = offset + jnp.arange(cache.quant_capacity)[None, :]
+    valid = pos < cache.num_quantized()[:, None]
+    return _softmax_part(s, valid[:, None, None, :], v_rot)
+
+
+def grouped_query(q, cache: KVCache, softmax_scale):
+    """q [B, Hq, D] -> (q grouped [b, h, g, d] float32, rotated copy for the keys, scale)."""
+    g = check_query(q, cache)
+    b, _, d = q.shape
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    qg = q.astype(jnp.float32).reshape(b, cache.num_kv_heads, g, d)
+    q_rot = hadamard.rotate(qg, cache.cfg) if cache.cfg.rotate_keys else qg
+    return qg, q_rot, scale
+
+
+def unrotate_values(acc, cfg):
+    return hadamard.unrotate(acc, cfg) if cfg.rotate_values else acc
 
 
 def decode_attention_xla(
     q: Float[Array, "B Hq D"], cache: KVCache, *, softmax_scale: float | None = None
 ) -> Float[Array, "B Hq D"]:
     """Reference decode attention (float32 inside), exact for the stored values."""
-    g = check_query(q, cache)
-    cfg = cache.cfg
-    b, hq, d = q.shape
-    h = cache.num_kv_heads
-    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
-    qg = q.astype(jnp.float32).reshape(b, h, g, d)
+    qg, q_rot, scale = grouped_query(q, cache, softmax_scale)
     parts = [residual_partial(qg, cache, scale)]
     if cache.quant_capacity:
-        ek, ev = quantized_parts(cache)
-        k_rot = codec.decode_keys(ek, cfg)  # [b, h, Lq, d] rotated basis, norms applied
-        v_rot = codec.decode_values(ev, cfg)
-        q_rot = hadamard.rotate(qg, cfg) if cfg.rotate_keys else qg
-        s = jnp.einsum("bhgd,bhtd->bhgt", q_rot, k_rot, precision=HIGHEST) * scale
-        valid = jnp.arange(cache.quant_capacity)[None, :] < cache.num_quantized()[:, None]
-        acc, m, denom = _softmax_part(s, valid[:, None, None, :], v_rot)
-        if cfg.rotate_values:
-            acc = hadamard.unrotate(acc, cfg)
-        parts.append((acc, m, denom))
-    out = merge_partials(parts)
-    return out.reshape(b, hq, d).astype(q.dtype)
+        acc, m, denom = quantized_partial(q_rot, cache, scale)
+        parts.append((unrotate_values(acc, cache.cfg), m, denom))
+    return merge_partials(parts).reshape(q.shape).astype(q.dtype)
 
 
 # -- implementation switch ----------------------------------------------------------

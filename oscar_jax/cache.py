@@ -90,6 +90,12 @@ class KVCache:
         return self.k_res.shape[2]
 
     @property
+    def slots_total(self) -> int:
+        """Ring slots of the whole cache (differs from ``slots`` inside a shard_map shard)."""
+        c = self.cfg
+        return c.residual_length + c.group_size if c.quantized else self.max_len
+
+    @property
     def quant_capacity(self) -> int:
         return self.k_codes.shape[2]
 
@@ -183,9 +189,12 @@ def _nonfinite_rows(k, v) -> Array:
     return jnp.where(bad, FLAG_NONFINITE, 0).astype(jnp.int32)
 
 
-def _residual_tokens(nq: Array, n: Array, slots: int) -> tuple[Array, Array]:
-    """Token index held by each ring slot, and whether it is valid: [B, S] each."""
-    s = jnp.arange(slots, dtype=jnp.int32)[None, :]
+def _residual_tokens(
+    nq: Array, n: Array, slots: int, offset=0, count: int | None = None
+) -> tuple[Array, Array]:
+    """Token index held by ring slots offset..offset+count-1, and validity: [B, count] each."""
+    count = slots if count is None else count
+    s = offset + jnp.arange(count, dtype=jnp.int32)[None, :]
     t = nq[:, None] + jnp.mod(s - nq[:, None], slots)
     return t, t < n[:, None]
 
@@ -283,70 +292,83 @@ def append(
     ``implementation`` picks the encoder used by flushes ("xla" or "pallas").
     """
     _check_kv(cache, k_t, v_t, 3, "[batch, num_kv_heads, head_dim]")
+    out, nq_old, flush = append_to_ring(cache, k_t, v_t)
+    if not cache.cfg.quantized or cache.quant_capacity == 0:
+        return out  # nothing can ever flush
+
+    def do_flush(c):
+        c, ek, ev = encode_flush(c, nq_old, flush, implementation, options)
+        return write_groups(c, ek, ev, nq_old, flush)
+
+    return jax.lax.cond(jnp.any(flush), do_flush, lambda c: c, out)
+
+
+def _set_rows(dst: Array, src: Array, pos: Array, ok: Array, offset=0) -> Array:
+    """dst[b, :, pos[b] - offset : + len] = src[b] where ok[b] and the run lies in dst.
+
+    ``offset`` is the global position of dst's first element along axis 2: a shard
+    of a sequence-sharded array writes only the runs that it owns.
+    """
+    size = src.shape[2]
+    local = pos - offset
+    own = ok & (local >= 0) & (local + size <= dst.shape[2])
+
+    def one(d, s, p, f):
+        old = jax.lax.dynamic_slice_in_dim(d, p, size, axis=1)
+        return jax.lax.dynamic_update_slice_in_dim(d, jnp.where(f, s, old), p, axis=1)
+
+    return jax.vmap(one)(dst, src.astype(dst.dtype), jnp.clip(local, 0, None), own)
+
+
+def append_to_ring(cache: KVCache, k_t, v_t, ring_offset=0):
+    """Write one token per row into the ring; return (cache, nq before, rows due to flush)."""
     cfg = cache.cfg
-    b = cache.batch
     n = cache.lengths
     ok = n < cache.max_len
     flags = cache.flags | jnp.where(ok, 0, FLAG_OVERFLOW) | _nonfinite_rows(k_t, v_t)
-    slot = jnp.mod(n, cache.slots)
-    rows = jnp.arange(b)
-
-    def write(res, x):
-        old = res[rows, :, slot]  # [B, H, D]
-        new = jnp.where(ok[:, None, None], x.astype(res.dtype), old)
-        return res.at[rows, :, slot].set(new)
-
+    slot = jnp.mod(n, cache.slots_total)
     n_new = n + ok.astype(jnp.int32)
     out = dataclasses.replace(
-        cache, k_res=write(cache.k_res, k_t), v_res=write(cache.v_res, v_t),
-        lengths=n_new, flags=flags,
-    )  # fmt: skip
-    if not cfg.quantized or cache.quant_capacity == 0:
-        return out  # nothing can ever flush
-    nq_old = quantized_count(n, cfg)
-    flush = quantized_count(n_new, cfg) > nq_old  # [B]
-    return jax.lax.cond(
-        jnp.any(flush),
-        lambda c: _flush(c, nq_old, flush, implementation, options),
-        lambda c: c,
-        out,
+        cache,
+        k_res=_set_rows(cache.k_res, k_t[:, :, None], slot, ok, ring_offset),
+        v_res=_set_rows(cache.v_res, v_t[:, :, None], slot, ok, ring_offset),
+        lengths=n_new,
+        flags=flags,
     )
+    nq_old = quantized_count(n, cfg)
+    return out, nq_old, quantized_count(n_new, cfg) > nq_old
 
 
-def _flush(cache: KVCache, nq: Array, flush: Array, implementation: str, options) -> KVCache:
-    """Quantize each flushing row's oldest residual group (tokens nq..nq+G-1)."""
+def encode_flush(cache: KVCache, nq: Array, flush: Array, implementation: str, options):
+    """Encode each flushing row's oldest ring group (tokens nq..nq+G-1) and zero its slots."""
     cfg = cache.cfg
     g = cfg.group_size
-    start = jnp.mod(nq, cache.slots)  # multiple of G since S is
+    start = jnp.mod(nq, cache.slots_total)  # multiple of G since S is
     take = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, g, axis=1))
     kg, vg = take(cache.k_res, start), take(cache.v_res, start)  # [B, H, G, D]
     ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
+    zeros = jnp.zeros_like(kg)
+    cleared = dataclasses.replace(
+        cache,
+        k_res=_set_rows(cache.k_res, zeros, start, flush),
+        v_res=_set_rows(cache.v_res, zeros, start, flush),
+    )
+    return cleared, ek, ev
 
-    def put(dst, src, pos):
-        def one(d, s, p, f):
-            old = jax.lax.dynamic_slice_in_dim(d, p, s.shape[1], axis=1)
-            return jax.lax.dynamic_update_slice_in_dim(d, jnp.where(f, s, old), p, axis=1)
 
-        return jax.vmap(one)(dst, src.astype(dst.dtype), pos, flush)
-
-    def clear(res):
-        def one(r, s, f):
-            old = jax.lax.dynamic_slice_in_dim(r, s, g, axis=1)
-            return jax.lax.dynamic_update_slice_in_dim(r, jnp.where(f, 0, old), s, axis=1)
-
-        return jax.vmap(one)(res, start, flush)
-
+def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) -> KVCache:
+    """Store encoded groups at token position nq of each flushing row (shard-aware)."""
+    g = cache.cfg.group_size
+    gofs = q_offset // g
     return dataclasses.replace(
         cache,
-        k_codes=put(cache.k_codes, ek.codes, nq),
-        k_scale=put(cache.k_scale, ek.scale, nq // g),
-        k_zero=put(cache.k_zero, ek.zero, nq // g),
-        k_norm=put(cache.k_norm, ek.norm, nq),
-        v_codes=put(cache.v_codes, ev.codes, nq),
-        v_scale=put(cache.v_scale, ev.scale, nq),
-        v_zero=put(cache.v_zero, ev.zero, nq),
-        k_res=clear(cache.k_res),
-        v_res=clear(cache.v_res),
+        k_codes=_set_rows(cache.k_codes, ek.codes, nq, flush, q_offset),
+        k_scale=_set_rows(cache.k_scale, ek.scale, nq // g, flush, gofs),
+        k_zero=_set_rows(cache.k_zero, ek.zero, nq // g, flush, gofs),
+        k_norm=_set_rows(cache.k_norm, ek.norm, nq, flush, q_offset),
+        v_codes=_set_rows(cache.v_codes, ev.codes, nq, flush, q_offset),
+        v_scale=_set_rows(cache.v_scale, ev.scale, nq, flush, q_offset),
+        v_zero=_set_rows(cache.v_zero, ev.zero, nq, flush, q_offset),
     )
 
 

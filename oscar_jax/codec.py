@@ -63,8 +63,9 @@ def encode_keys_xla(k: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedKe
     b, h, t, _ = x.shape
     hn = h if cfg.norm_granularity == "per_head" else 1
     if cfg.token_scaling:
-        norm = token_l2_norm(x, cfg.norm_granularity).astype(cfg.norm_jnp_dtype)
-        n32 = norm.astype(jnp.float32)[..., None]  # [B, Hn, T, 1] divides by the stored norm
+        n32 = quant.round_to_dtype(token_l2_norm(x, cfg.norm_granularity), cfg.norm_jnp_dtype)
+        norm = n32.astype(cfg.norm_jnp_dtype)
+        n32 = n32[..., None]  # [B, Hn, T, 1]: divide by the stored norm
         x = x / jnp.where(n32 > 0, n32, 1.0)
     else:
         norm = jnp.ones((b, hn, t), cfg.norm_jnp_dtype)

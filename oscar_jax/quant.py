@@ -21,6 +21,7 @@ planar array, concatenated: n/4 + n/8 = 3n/8 bytes (dense).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
@@ -88,6 +89,24 @@ def unpack(packed: UInt8[Array, "... m"], bits: int, axis: int = -1) -> UInt8[Ar
     return jnp.moveaxis(out, -1, axis)
 
 
+def round_to_dtype(x: Array, dtype) -> Array:
+    """x rounded to ``dtype``'s precision, kept in float32.
+
+    ``astype(bf16).astype(f32)`` is not enough: XLA's default excess-precision
+    rule may drop the round trip inside a fused jit program, so codes computed
+    from "stored" scales would differ between programs. ``reduce_precision`` is
+    kept, so every compilation computes codes from the values actually stored.
+    """
+    dtype = jnp.dtype(dtype)
+    x = x.astype(jnp.float32)
+    if dtype == jnp.float32:
+        return x
+    if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        fi = jnp.finfo(dtype)
+        return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return x.astype(dtype).astype(jnp.float32)  # fp8 formats: saturating rules of their own
+
+
 def quantize_groups(
     x: Float[Array, "..."],
     bits: int,
@@ -109,10 +128,10 @@ def quantize_groups(
     levels = (1 << bits) - 1
     mn = jnp.min(xg, axis=-1)
     mx = jnp.max(xg, axis=-1)
-    scale = ((mx - mn) / levels).astype(param_dtype)
-    zero = mn.astype(param_dtype)
-    s32 = scale.astype(jnp.float32)[..., None]
-    z32 = zero.astype(jnp.float32)[..., None]
+    s32 = round_to_dtype((mx - mn) / levels, param_dtype)
+    z32 = round_to_dtype(mn, param_dtype)
+    scale, zero = s32.astype(param_dtype), z32.astype(param_dtype)
+    s32, z32 = s32[..., None], z32[..., None]
     inv = jnp.where(s32 > 0, 1.0 / jnp.where(s32 > 0, s32, 1.0), 0.0)
     q = jnp.clip(jnp.round((xg - z32) * inv), 0, levels)
     q = jnp.where(jnp.isfinite(q), q, 0).astype(jnp.uint8).reshape(xf.shape)

@@ -6,6 +6,7 @@ Importing this package registers the ``implementation="pallas"`` paths of
 run in Pallas interpret mode.
 """
 
-from pallas_kernels import decode  # noqa: E402,F401  (registers decode_attention "pallas")
-
-from pallas_kernels import quantize  # noqa: E402,F401  (registers implementation="pallas")
+from pallas_kernels import (
+    decode,  # noqa: E402,F401  (registers decode_attention "pallas")
+    quantize,  # noqa: E402,F401  (registers implementation="pallas")
+)

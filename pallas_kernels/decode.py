@@ -15,12 +15,17 @@ Values fold their per-token scale into the softmax weights, per value group::
     out[:, grp] = dot((p * vs[:, grp])^T, plane(code)) + (sum_t p_t vz[t, grp])
 
 The MMA operands are float16 (codes are exact; the normalised keys lie in
-[-1, 1]); accumulation, softmax and the partials are float32. Each split writes
-(acc, m, l); XLA merges the splits with the full-precision residual ring
-(``oscar_jax.attention.residual_partial``) and un-rotates the values once.
+[-1, 1]; the scaled query and p * vs must stay below 65504); accumulation, softmax
+and the partials are float32. Each split writes (acc, m, l). By default the
+residual ring is the launch's last split (float32 IEEE dots against the plain query,
+its acc rotated into the value basis by an in-kernel [D, D] product); XLA merges
+the splits and un-rotates the values once. With ``fuse_ring=False`` the ring goes
+through ``oscar_jax.attention.residual_partial`` instead. The kernel assumes an
+unsharded cache (ring slots ``cache.slots``, quantized positions from 0).
 
 Heuristic (``choose_config``): ``T = 64`` tokens per block for the INT kernel (a
-multiple of G; 64 measured 1.45x faster than 128 at 1 x 128K on the H200) and 128
+multiple of G; 64 measured faster than 128 at 1 x 128K on the H200, see
+benchmarks/results/decode_notes.md) and 128
 for the BF16 kernel; splits so that ``B * H * splits`` is about ``4 * 132`` programs
 (H200 SMs), at least 4 blocks per split. The residual ring is one extra split of
 the same launch (``fuse_ring``). Every field can be overridden by keyword.
@@ -39,11 +44,10 @@ from jax.experimental import pallas as pl
 import oscar_jax
 from oscar_jax import hadamard
 from oscar_jax.attention import check_query, merge_partials, residual_partial
-from pallas_kernels.decode_pipelined import int_quant_part_pipelined
+from pallas_kernels.decode_int import int_kernel
+from pallas_kernels.decode_pipelined import GP
 
-GP = 16  # MMA rows: the GQA query group is padded to this
 TARGET_PROGRAMS = 4 * 132  # about 4 programs per H200 SM
-NEG = -1e30
 
 
 def _triton_params(num_warps: int, num_stages: int):
@@ -102,13 +106,16 @@ class DecodeConfig:
             raise ValueError(f"interpret={self.interpret!r} must be a bool")
 
 
-def choose_config(batch: int, heads: int, tokens: int, group: int = 1, *, block: int = 64,
-                  **overrides) -> DecodeConfig:
+def choose_config(
+    batch: int, heads: int, tokens: int, group: int = 1, *, block: int = 64, **overrides
+) -> DecodeConfig:
     """The documented heuristic; keyword overrides win (see module docstring)."""
     unknown = set(overrides) - {f.name for f in dataclasses.fields(DecodeConfig)}
     if unknown:
-        raise ValueError(f"unknown options {sorted(unknown)}; valid: "
-                         f"{[f.name for f in dataclasses.fields(DecodeConfig)]}")
+        raise ValueError(
+            f"unknown options {sorted(unknown)}; valid: "
+            f"{[f.name for f in dataclasses.fields(DecodeConfig)]}"
+        )
     t = overrides.get("block_tokens", max(block, group))
     nblk = max(1, -(-tokens // t))
     want_splits = max(1, -(-TARGET_PROGRAMS // (batch * heads)))
@@ -119,142 +126,6 @@ def choose_config(batch: int, heads: int, tokens: int, group: int = 1, *, block:
 
 
 # -- the INT kernel ------------------------------------------------------------------
-def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, rt_ref, acc_ref, m_ref, l_ref, *, bs):
-    """The full-precision residual ring (f32, IEEE dots), rotated into the kernel's basis."""
-    slots, d = kr_ref.shape
-    n, nq = n_ref[0], nq_ref[0]
-    q = qp_ref[...]
-    hi = jax.lax.Precision.HIGHEST
-    base = nq % slots
-
-    def body(it, carry):
-        m_prev, l_prev, acc = carry
-        r0 = pl.multiple_of(it * bs, bs)
-        k = kr_ref[pl.ds(r0, bs), :].astype(jnp.float32)
-        s = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=hi,
-                                preferred_element_type=jnp.float32)  # [bs, GP]
-        rel = r0 + jax.lax.broadcasted_iota(jnp.int32, (bs, GP), 0) - base
-        valid = jnp.where(rel < 0, rel + slots, rel) < n - nq
-        s = jnp.where(valid, s, NEG)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=0))
-        corr = jnp.exp(m_prev - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new[None, :]), 0.0)
-        v = vr_ref[pl.ds(r0, bs), :].astype(jnp.float32)
-        pv = jax.lax.dot_general(p, v, (((0,), (0,)), ((), ())), precision=hi,
-                                 preferred_element_type=jnp.float32)
-        return m_new, l_prev * corr + jnp.sum(p, axis=0), acc * corr[:, None] + pv
-
-    init = (jnp.full((GP,), NEG, jnp.float32), jnp.zeros((GP,), jnp.float32),
-            jnp.zeros((GP, d), jnp.float32))
-    m, lsum, acc = jax.lax.fori_loop(0, slots // bs, body, init)
-    if rt_ref is not None:
-        acc = jax.lax.dot_general(acc, rt_ref[...], (((1,), (0,)), ((), ())), precision=hi,
-                                  preferred_element_type=jnp.float32)
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = lsum
-
-
-def _int_kernel(*refs, ring, rotate, pipeline, **kw):
-    """Grid (B, H, splits [+1 for the ring]): the last split handles the ring when fused."""
-    quant_part = int_quant_part_pipelined if pipeline else _int_quant_part
-    if not ring:
-        return quant_part(*refs, s_id=pl.program_id(2), **kw)
-    nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_ref, vs_ref, vz_ref = refs[:9]
-    n_ref, qp_ref, kr_ref, vr_ref = refs[9:13]
-    rt_ref = refs[13] if rotate else None
-    acc_ref, m_ref, l_ref = refs[-3:]
-    last = pl.num_programs(2) - 1
-    s_id = pl.program_id(2)
-
-    @pl.when(s_id < last)
-    def _():
-        quant_part(nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_ref, vs_ref, vz_ref,
-                        acc_ref, m_ref, l_ref, s_id=s_id, **kw)
-
-    @pl.when(s_id == last)
-    def _():
-        _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, rt_ref, acc_ref, m_ref, l_ref,
-                   bs=ring)
-
-
-def _int_quant_part(nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_ref, vs_ref, vz_ref,
-                    acc_ref, m_ref, l_ref, *, s_id, bits, t, g, gv, bps, d, ablate=""):
-    c = 8 // bits
-    p_w = d // c  # channels per plane = bytes per token
-    w = min(p_w, gv)  # channels per value chunk (one value group)
-    nchunk = p_w // w
-    ngt = t // g
-    mask = (1 << bits) - 1
-    nq = nq_ref[0]
-    start = s_id * bps * t
-    nblk = jnp.clip((nq - start + t - 1) // t, 0, bps)
-
-    def body(it, carry):
-        m_prev, l_prev, accs, zs = carry
-        t0 = pl.multiple_of(start + it * t, t)
-        g0 = pl.multiple_of(t0 // g, ngt)
-        # keys: [NGt, G, P] bytes, one byte holds c planes
-        kb = kc_ref[pl.ds(g0, ngt), :, :].astype(jnp.int32)
-        s = jnp.zeros((t, GP), jnp.float32)
-        for i in range(c):
-            ks = ks_ref[pl.ds(g0, ngt), pl.ds(i * p_w, p_w)].astype(jnp.float32)
-            kz = kz_ref[pl.ds(g0, ngt), pl.ds(i * p_w, p_w)].astype(jnp.float32)
-            code = ((kb >> (bits * i)) & mask).astype(jnp.float32)
-            if ablate == "no_kdeq":
-                kh = code.reshape(t, p_w)
-            else:
-                kh = (code * ks[:, None, :] + kz[:, None, :]).reshape(t, p_w)
-            qi = q_ref[:, pl.ds(i * p_w, p_w)]  # [GP, P] f16
-            if ablate == "no_dot":
-                s = s + jnp.sum(kh, axis=1, keepdims=True)
-                continue
-            s = s + jax.lax.dot_general(
-                kh.astype(jnp.float16), qi, (((1,), (1,)), ((), ())),
-                preferred_element_type=jnp.float32)
-        norm = kn_ref[pl.ds(t0, t)].astype(jnp.float32)
-        s = s * norm[:, None]
-        idx = t0 + jax.lax.broadcasted_iota(jnp.int32, (t, GP), 0)
-        valid = idx < nq
-        s = jnp.where(valid, s, NEG)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=0))
-        corr = jnp.exp(m_prev - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new[None, :]), 0.0)  # [T, GP]
-        l_new = l_prev * corr + jnp.sum(p, axis=0)
-        new_accs, new_zs = [None] * (c * nchunk), []
-        if ablate == "no_v":
-            return m_new, l_new, accs, zs
-        for j in range(nchunk):
-            vb = vc_ref[pl.ds(t0, t), pl.ds(j * w, w)].astype(jnp.int32)  # [T, W]
-            for i in range(c):
-                grp = (i * p_w + j * w) // gv
-                k = i * nchunk + j
-                vs = vs_ref[pl.ds(t0, t), pl.ds(grp, 1)].astype(jnp.float32)  # [T, 1]
-                wt = (p * vs).astype(jnp.float16)
-                code = ((vb >> (bits * i)) & mask).astype(jnp.float16)
-                pv = jax.lax.dot_general(wt, code, (((0,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)  # [GP, W]
-                new_accs[k] = accs[k] * corr[:, None] + pv
-        for grp in range(d // gv):
-            vz = vz_ref[pl.ds(t0, t), pl.ds(grp, 1)].astype(jnp.float32)
-            new_zs.append(zs[grp] * corr + jnp.sum(p * vz, axis=0))
-        return m_new, l_new, tuple(new_accs), tuple(new_zs)
-
-    init = (
-        jnp.full((GP,), NEG, jnp.float32),
-        jnp.zeros((GP,), jnp.float32),
-        tuple(jnp.zeros((GP, w), jnp.float32) for _ in range(c * nchunk)),
-        tuple(jnp.zeros((GP,), jnp.float32) for _ in range(d // gv)),
-    )
-    m, lsum, accs, zs = jax.lax.fori_loop(0, nblk, body, init)
-    for i in range(c):
-        for j in range(nchunk):
-            ch0 = i * p_w + j * w
-            acc_ref[:, pl.ds(ch0, w)] = accs[i * nchunk + j] + zs[ch0 // gv][:, None]
-    m_ref[...] = m
-    l_ref[...] = lsum
-
-
 def ring_block(slots: int) -> int:
     """Ring rows per fused-ring block: the largest power of two dividing S, capped at 64."""
     return min(64, slots & -slots)
@@ -272,12 +143,16 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
     gv = kcfg.value_group(d)
     t = cfg.block_tokens
     if t % g or lq % t:
-        raise ValueError(f"block_tokens={t} must be a multiple of group_size={g} and divide "
-                         f"the quantized capacity {lq}")
+        raise ValueError(
+            f"block_tokens={t} must be a multiple of group_size={g} and divide "
+            f"the quantized capacity {lq}"
+        )
     p_w = d // (8 // bits)
     if min(p_w, gv) < 16 or p_w % min(p_w, gv):
-        raise ValueError(f"head_dim={d} with bits={bits}, value group {gv} gives MMA tiles of "
-                         f"{min(p_w, gv)} channels; the kernel needs >= 16")
+        raise ValueError(
+            f"head_dim={d} with bits={bits}, value group {gv} gives MMA tiles of "
+            f"{min(p_w, gv)} channels; the kernel needs >= 16"
+        )
     bps = min(cfg.blocks_per_split, lq // t)
     ns = -(-(lq // t) // bps)
     hn = cache.k_norm.shape[1]
@@ -285,8 +160,20 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
     kc = cache.k_codes.reshape(b, h, lq // g, g, db)
     ring = ring_block(cache.slots) if q_plain is not None else 0
     rotate = bool(ring) and kcfg.rotate_values
-    kern = functools.partial(_int_kernel, bits=bits, t=t, g=g, gv=gv, bps=bps, d=d,
-                             ablate=cfg.ablate, ring=ring, rotate=rotate, pipeline=cfg.pipeline)
+    kern = functools.partial(
+        int_kernel,
+        bits=bits,
+        t=t,
+        g=g,
+        gv=gv,
+        bps=bps,
+        d=d,
+        ablate=cfg.ablate,
+        ring=ring,
+        rotate=rotate,
+        pipeline=cfg.pipeline,
+    )
+
     def full(*shape):
         return pl.BlockSpec((None, None, *shape), lambda i, j, s: (i, j) + (0,) * len(shape))
 
@@ -296,18 +183,32 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         full(lq // g, g, db),
         full(lq // g, d),
         full(lq // g, d),
-        pl.BlockSpec((None, None, lq),
-                     (lambda i, j, s: (i, j, 0)) if hn > 1 else (lambda i, j, s: (i, 0, 0))),
+        pl.BlockSpec(
+            (None, None, lq), (lambda i, j, s: (i, j, 0)) if hn > 1 else (lambda i, j, s: (i, 0, 0))
+        ),
         full(lq, db),
         full(lq, d // gv),
         full(lq, d // gv),
     ]
-    args = [nq, q_rot, kc, cache.k_scale, cache.k_zero, cache.k_norm, cache.v_codes,
-            cache.v_scale, cache.v_zero]
+    args = [
+        nq,
+        q_rot,
+        kc,
+        cache.k_scale,
+        cache.k_zero,
+        cache.k_norm,
+        cache.v_codes,
+        cache.v_scale,
+        cache.v_zero,
+    ]
     if ring:
         ns += 1
-        in_specs += [pl.BlockSpec((1,), lambda i, j, s: (i,)), full(GP, d),
-                     full(cache.slots, d), full(cache.slots, d)]
+        in_specs += [
+            pl.BlockSpec((1,), lambda i, j, s: (i,)),
+            full(GP, d),
+            full(cache.slots, d),
+            full(cache.slots, d),
+        ]
         args += [cache.lengths.astype(jnp.int32), q_plain, cache.k_res, cache.v_res]
         if rotate:
             in_specs.append(pl.BlockSpec((d, d), lambda i, j, s: (0, 0)))
@@ -318,14 +219,23 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         pl.BlockSpec((None, None, None, GP), lambda i, j, s: (i, j, s, 0)),
     ]
     f32 = jnp.float32
-    out_shape = [jax.ShapeDtypeStruct((b, h, ns, GP, d), f32),
-                 jax.ShapeDtypeStruct((b, h, ns, GP), f32),
-                 jax.ShapeDtypeStruct((b, h, ns, GP), f32)]
-    kwargs = {} if cfg.interpret else dict(
-        compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
+    out_shape = [
+        jax.ShapeDtypeStruct((b, h, ns, GP, d), f32),
+        jax.ShapeDtypeStruct((b, h, ns, GP), f32),
+        jax.ShapeDtypeStruct((b, h, ns, GP), f32),
+    ]
+    kwargs = (
+        {} if cfg.interpret else dict(compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
+    )
     return pl.pallas_call(
-        kern, grid=(b, h, ns), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=cfg.interpret, name=f"oscar_decode_int{bits}", **kwargs,
+        kern,
+        grid=(b, h, ns),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=cfg.interpret,
+        name=f"oscar_decode_int{bits}",
+        **kwargs,
     )(*args)
 
 
@@ -368,8 +278,11 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
     if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
         q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
-        acc, m, lsum = merge_splits(*quantized_partials(
-            pad_query(q_rot * scale), cache, cfg, pad_query(qg * scale, jnp.float32)))
+        acc, m, lsum = merge_splits(
+            *quantized_partials(
+                pad_query(q_rot * scale), cache, cfg, pad_query(qg * scale, jnp.float32)
+            )
+        )
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
         out = out[:, :, :g]
         if kcfg.rotate_values:

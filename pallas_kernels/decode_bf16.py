@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode import GP, NEG, DecodeConfig, _triton_params, merge_splits, pad_query
+from pallas_kernels.decode import DecodeConfig, _triton_params, merge_splits, pad_query
+from pallas_kernels.decode_pipelined import GP, NEG
 
 
 def _load(ref, t0, t, limit, interpret):
@@ -42,21 +43,26 @@ def _bf16_kernel(n_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, t, bps, s
         m_prev, l_prev, acc = carry
         t0 = pl.multiple_of(start + it * t, t)
         k = _load(k_ref, t0, t, slots, interpret)
-        s = jax.lax.dot_general(k, q, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [T, GP]
+        s = jax.lax.dot_general(
+            k, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [T, GP]
         valid = t0 + jax.lax.broadcasted_iota(jnp.int32, (t, GP), 0) < n
         s = jnp.where(valid, s, NEG)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=0))
         corr = jnp.exp(m_prev - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[None, :]), 0.0)
         v = _load(v_ref, t0, t, slots, interpret)
-        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((0,), (0,)), ((), ())),
-                                 preferred_element_type=jnp.float32)  # [GP, D]
+        pv = jax.lax.dot_general(
+            p.astype(v.dtype), v, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )  # [GP, D]
         return m_new, l_prev * corr + jnp.sum(p, axis=0), acc * corr[:, None] + pv
 
     d = q_ref.shape[1]
-    init = (jnp.full((GP,), NEG, jnp.float32), jnp.zeros((GP,), jnp.float32),
-            jnp.zeros((GP, d), jnp.float32))
+    init = (
+        jnp.full((GP,), NEG, jnp.float32),
+        jnp.zeros((GP,), jnp.float32),
+        jnp.zeros((GP, d), jnp.float32),
+    )
     m, lsum, acc = jax.lax.fori_loop(0, nblk, body, init)
     acc_ref[...] = acc
     m_ref[...] = m
@@ -75,25 +81,37 @@ def decode_bf16(qg_scaled, cache, cfg: DecodeConfig):
     if dt not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"cache dtype {dt} must be bfloat16 or float16 for the pallas bf16 kernel")
     kern = functools.partial(_bf16_kernel, t=t, bps=bps, slots=slots, interpret=cfg.interpret)
+
     def full(*shape):
         return pl.BlockSpec((None, None, *shape), lambda i, j, s: (i, j) + (0,) * len(shape))
 
     def part(*shape):
-        return pl.BlockSpec((None, None, None, *shape),
-                            lambda i, j, s: (i, j, s) + (0,) * len(shape))
+        return pl.BlockSpec(
+            (None, None, None, *shape), lambda i, j, s: (i, j, s) + (0,) * len(shape)
+        )
 
     f32 = jnp.float32
-    kwargs = {} if cfg.interpret else dict(
-        compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
+    kwargs = (
+        {} if cfg.interpret else dict(compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
+    )
     acc, m, lsum = pl.pallas_call(
-        kern, grid=(b, h, ns),
-        in_specs=[pl.BlockSpec((1,), lambda i, j, s: (i,)), full(GP, d), full(slots, d),
-                  full(slots, d)],
+        kern,
+        grid=(b, h, ns),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, j, s: (i,)),
+            full(GP, d),
+            full(slots, d),
+            full(slots, d),
+        ],
         out_specs=[part(GP, d), part(GP), part(GP)],
-        out_shape=[jax.ShapeDtypeStruct((b, h, ns, GP, d), f32),
-                   jax.ShapeDtypeStruct((b, h, ns, GP), f32),
-                   jax.ShapeDtypeStruct((b, h, ns, GP), f32)],
-        interpret=cfg.interpret, name="oscar_decode_bf16", **kwargs,
+        out_shape=[
+            jax.ShapeDtypeStruct((b, h, ns, GP, d), f32),
+            jax.ShapeDtypeStruct((b, h, ns, GP), f32),
+            jax.ShapeDtypeStruct((b, h, ns, GP), f32),
+        ],
+        interpret=cfg.interpret,
+        name="oscar_decode_bf16",
+        **kwargs,
     )(cache.lengths.astype(jnp.int32), pad_query(qg_scaled, dt), cache.k_res, cache.v_res)
     acc, m, lsum = merge_splits(acc, m, lsum)
     out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)

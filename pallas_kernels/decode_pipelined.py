@@ -19,13 +19,33 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-GP = 16
-NEG = -1e30
+GP = 16  # MMA rows: the GQA query group is padded to this
+NEG = -1e30  # finite 'minus infinity' of the online softmax
 
 
-def int_quant_part_pipelined(nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_ref, vs_ref,
-                             vz_ref, acc_ref, m_ref, l_ref, *, s_id, bits, t, g, gv, bps, d,
-                             ablate=""):
+def int_quant_part_pipelined(
+    nq_ref,
+    q_ref,
+    kc_ref,
+    ks_ref,
+    kz_ref,
+    kn_ref,
+    vc_ref,
+    vs_ref,
+    vz_ref,
+    acc_ref,
+    m_ref,
+    l_ref,
+    *,
+    s_id,
+    bits,
+    t,
+    g,
+    gv,
+    bps,
+    d,
+    ablate="",
+):
     c = 8 // bits
     p_w = d // c  # channels per plane = bytes per token
     w = min(p_w, gv)  # channels per value chunk (inside one value group)
@@ -66,10 +86,16 @@ def int_quant_part_pipelined(nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_r
             if ablate == "no_kdeq":
                 kh = code.reshape(t, p_w)
             else:
-                kh = (code * ks[i].astype(jnp.float32)[:, None, :]
-                      + kz[i].astype(jnp.float32)[:, None, :]).reshape(t, p_w)
-            s = s + jax.lax.dot_general(kh.astype(jnp.float16), qs[i], (((1,), (1,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
+                kh = (
+                    code * ks[i].astype(jnp.float32)[:, None, :]
+                    + kz[i].astype(jnp.float32)[:, None, :]
+                ).reshape(t, p_w)
+            s = s + jax.lax.dot_general(
+                kh.astype(jnp.float16),
+                qs[i],
+                (((1,), (1,)), ((), ())),
+                preferred_element_type=jnp.float32,
+            )
         s = s * kn.astype(jnp.float32)[:, None]
         valid = t0 + jax.lax.broadcasted_iota(jnp.int32, (t, GP), 0) < nq
         s = jnp.where(valid, s, NEG)
@@ -88,8 +114,9 @@ def int_quant_part_pipelined(nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_r
                 k = i * nchunk + j
                 wt = (p * column(vs_t, (i * p_w + j * w) // gv)).astype(jnp.float16)
                 code = ((vb >> (bits * i)) & mask).astype(jnp.float16)
-                pv = jax.lax.dot_general(wt, code, (((0,), (0,)), ((), ())),
-                                         preferred_element_type=jnp.float32)  # [GP, W]
+                pv = jax.lax.dot_general(
+                    wt, code, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+                )  # [GP, W]
                 new_accs[k] = accs[k] * corr[:, None] + pv
         new_zs = tuple(zs[r] * corr + jnp.sum(p * column(vz_t, r), axis=0) for r in range(ngv))
         return m_new, l_new, tuple(new_accs), new_zs

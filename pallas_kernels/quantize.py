@@ -48,7 +48,6 @@ from oscar_jax import codec, hadamard
 from oscar_jax.config import KVQuantConfig
 
 
-
 @dataclasses.dataclass(frozen=True)
 class QuantizeTuning:
     """Launch knobs of the fused encoder (validated; hashable, static under jit).
@@ -143,8 +142,11 @@ def _rotation_operand(spec: _Spec) -> np.ndarray:
 def _div(a, b, spec: _Spec):
     """a / b in f32: IEEE-rounded (div.rn) or via a reciprocal, per the tuning."""
     if not spec.tuning.exact_division:  # one IEEE reciprocal per row/column, then multiply
-        return a * _div(jnp.ones_like(b), b, dataclasses.replace(
-            spec, tuning=dataclasses.replace(spec.tuning, exact_division=True)))
+        return a * _div(
+            jnp.ones_like(b),
+            b,
+            dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, exact_division=True)),
+        )
     b = jnp.broadcast_to(b, a.shape)
     if spec.interpret:
         return a / b
@@ -357,7 +359,7 @@ def _encode_pallas(k, v, spec: _Spec):
     nblk = pl.cdiv(t // g, spec.tuning.groups_per_block)
     kwargs = {}
     if not spec.interpret:
-            kwargs["compiler_params"] = plgpu.CompilerParams(
+        kwargs["compiler_params"] = plgpu.CompilerParams(
             num_warps=spec.tuning.num_warps, num_stages=spec.tuning.num_stages
         )
     outs = pl.pallas_call(
@@ -388,8 +390,10 @@ def encode(
         raise ValueError(f"cfg={cfg!r} must be a quantized KVQuantConfig")
     for name, x in (("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating [B, H, T, D] array, got "
-                             f"{getattr(x, 'shape', None)} {getattr(x, 'dtype', None)}")
+            raise ValueError(
+                f"{name} must be a floating [B, H, T, D] array, got "
+                f"{getattr(x, 'shape', None)} {getattr(x, 'dtype', None)}"
+            )
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"k {k.shape} {k.dtype} must match v {v.shape} {v.dtype}")
     t, d = k.shape[2], k.shape[3]

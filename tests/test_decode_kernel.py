@@ -19,8 +19,19 @@ import pallas_kernels  # noqa: F401  (registers implementation="pallas")
 from pallas_kernels import decode as pdec
 
 
-def make_case(method, *, bits=2, d=128, gqa=4, h=2, lens=(700, 100, 0, 301), max_len=1024,
-              seed=0, dtype=jnp.bfloat16, **cfg_kw):
+def make_case(
+    method,
+    *,
+    bits=2,
+    d=128,
+    gqa=4,
+    h=2,
+    lens=(700, 100, 0, 301),
+    max_len=1024,
+    seed=0,
+    dtype=jnp.bfloat16,
+    **cfg_kw,
+):
     if method != "bf16":
         cfg_kw["bits"] = bits
     cfg = oj.preset(method, **cfg_kw)
@@ -37,16 +48,26 @@ def make_case(method, *, bits=2, d=128, gqa=4, h=2, lens=(700, 100, 0, 301), max
 
 CASES = {
     # name: (make_case kwargs, kernel options)
-    "int2_d128_gqa4_ragged": (dict(method="oscar"), dict(block_tokens=64, blocks_per_split=3)),
-    "int4_d64_gqa1": (dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200)),
-                      dict(pipeline=True)),
+    "int2_d128_gqa4_ragged": (
+        dict(method="oscar", max_len=768),
+        dict(block_tokens=64, blocks_per_split=3),
+    ),
+    "int4_d64_gqa1": (
+        dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200)),
+        dict(pipeline=True),
+    ),
     "int2_d256_gqa8_per_token": (
         dict(method="oscar", d=256, gqa=8, h=1, lens=(905, 131), norm_granularity="per_token"),
-        dict(block_tokens=128, blocks_per_split=2, pipeline=True)),
-    "kivi_int2_d64_gqa8": (dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)),
-                           dict(fuse_ring=False)),
-    "bf16_d128_gqa4": (dict(method="bf16", lens=(300, 77, 0), max_len=500),
-                       dict(block_tokens=64, blocks_per_split=2)),
+        dict(block_tokens=128, blocks_per_split=2, pipeline=True),
+    ),
+    "kivi_int2_d64_gqa8": (
+        dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)),
+        dict(fuse_ring=False),
+    ),
+    "bf16_d128_gqa4": (
+        dict(method="bf16", lens=(300, 77, 0), max_len=500),
+        dict(block_tokens=64, blocks_per_split=2),
+    ),
 }
 
 
@@ -56,12 +77,15 @@ class TestDecodeKernelGPU:
     @pytest.fixture(autouse=True)
     def _needs_device(self):
         if not self.INTERPRET and not gpu_available():
-            pytest.skip("no GPU: the compiled (Triton) kernels need one; "
-                        "TestDecodeKernelInterpret runs the same cases on CPU")
+            pytest.skip(
+                "no GPU: the compiled (Triton) kernels need one; "
+                "TestDecodeKernelInterpret runs the same cases on CPU"
+            )
 
     def decode(self, q, cache, **opts):
-        return oj.decode_attention(q, cache, implementation="pallas",
-                                   interpret=self.INTERPRET, **opts)
+        return oj.decode_attention(
+            q, cache, implementation="pallas", interpret=self.INTERPRET, **opts
+        )
 
     @pytest.mark.parametrize("name", sorted(CASES))
     def test_matches_reference(self, name):
@@ -79,7 +103,13 @@ class TestDecodeKernelGPU:
             assert float(jnp.max(jnp.abs(out[empty]))) == 0.0
 
     def test_bad_inputs(self):
-        q, cache = make_case("oscar", lens=(300,), h=1, gqa=2)
+        def empty(bits=2, d=128):  # only static checks run: no kernel launch
+            c = oj.init_cache(
+                oj.preset("oscar", bits=bits), batch=1, max_len=512, num_kv_heads=1, head_dim=d
+            )
+            return jax.random.normal(jax.random.PRNGKey(1), (1, 2, d), jnp.bfloat16), c
+
+        q, cache = empty()
         with pytest.raises(ValueError, match="block_tokens"):
             self.decode(q, cache, block_tokens=48)
         with pytest.raises(ValueError, match="block_tokens"):
@@ -88,14 +118,14 @@ class TestDecodeKernelGPU:
             self.decode(q, cache, splits=3)
         with pytest.raises(ValueError, match="num_warps"):
             self.decode(q, cache, num_warps=3)
+        with pytest.raises(ValueError, match="pipeline"):
+            self.decode(q, cache, pipeline=1)
         with pytest.raises(ValueError, match="GQA ratio"):
             self.decode(jnp.repeat(q[:, :1], 32, axis=1), cache)
-        q3, c3 = make_case("oscar", bits=3, lens=(300,), h=1, gqa=1, d=64)
         with pytest.raises(ValueError, match="bits"):
-            self.decode(q3, c3)
-        q4, c4 = make_case("oscar", lens=(300,), h=1, gqa=1, d=96)
+            self.decode(*empty(bits=3, d=64))
         with pytest.raises(ValueError, match="head_dim"):
-            self.decode(q4, c4)
+            self.decode(*empty(d=96))
 
 
 class TestDecodeKernelInterpret(TestDecodeKernelGPU):
@@ -109,3 +139,22 @@ def test_heuristic_config():
     assert c.block_tokens == 256
     with pytest.raises(ValueError, match="ablate"):
         pdec.DecodeConfig(ablate="nope")
+
+
+@pytest.mark.parametrize(
+    "method,opts", [("oscar", {}), ("oscar", {"pipeline": True}), ("bf16", {})]
+)
+def test_lowers_to_triton(method, opts):
+    """Lowering gaps (e.g. slicing a loaded value) that interpret mode cannot see, on CPU."""
+    from jax import export
+
+    q, cache = make_case(method, lens=(300, 40), max_len=512, d=64)
+    f = jax.jit(
+        lambda q, c: oj.decode_attention(q, c, implementation="pallas", interpret=False, **opts)
+    )
+    exp = export.export(
+        f,
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, cache)
+    assert "xla.gpu.triton" in exp.mlir_module()

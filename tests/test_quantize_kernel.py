@@ -16,6 +16,9 @@ Agreement, measured (see benchmarks/results/quantize.md):
   exactly on x.5 ties often, and there the two roundings disagree.
 """
 
+import functools
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,23 +34,62 @@ from pallas_kernels import quantize as pq
 CASES = {
     "oscar_int2_d128_g32_bf16": ("oscar", dict(bits=2, group_size=32), 128, 96, "bfloat16", {}),
     "oscar_int4_d64_g64_f16_per_token": (
-        "oscar", dict(bits=4, group_size=64, norm_granularity="per_token"), 64, 192, "float16",
-        dict(groups_per_block=2)),
-    "oscar_int2_d256_g128_f32": ("oscar", dict(bits=2, group_size=128), 256, 384, "float32",
-                                 dict(groups_per_block=2, num_warps=4)),
-    "kivi_int2_d128_g32": ("kivi", dict(bits=2, group_size=32), 128, 160, "bfloat16",
-                           dict(groups_per_block=4)),
+        "oscar",
+        dict(bits=4, group_size=64, norm_granularity="per_token"),
+        64,
+        192,
+        "float16",
+        dict(groups_per_block=2),
+    ),
+    "oscar_int2_d256_g128_f32": (
+        "oscar",
+        dict(bits=2, group_size=128),
+        256,
+        384,
+        "float32",
+        dict(groups_per_block=2, num_warps=4),
+    ),
+    "kivi_int2_d128_g32": (
+        "kivi",
+        dict(bits=2, group_size=32),
+        128,
+        160,
+        "bfloat16",
+        dict(groups_per_block=4),
+    ),
     "rotation_only_int4_d128_f32": ("rotation_only", dict(bits=4), 128, 96, "float32", {}),
     "ots_only_int2_d64_f16_per_token": (
-        "ots_only", dict(bits=2, norm_granularity="per_token"), 64, 96, "float16",
-        dict(groups_per_block=1)),
+        "ots_only",
+        dict(bits=2, norm_granularity="per_token"),
+        64,
+        96,
+        "float16",
+        dict(groups_per_block=1),
+    ),
     "randomized_hadamard_int2_d64": (
-        "oscar", dict(bits=2, rotation="randomized_hadamard"), 64, 96, "bfloat16", {}),
+        "oscar",
+        dict(bits=2, rotation="randomized_hadamard"),
+        64,
+        96,
+        "bfloat16",
+        {},
+    ),
     "random_orthogonal_int4_d64": (
-        "oscar", dict(bits=4, rotation="random_orthogonal"), 64, 64, "bfloat16", {}),
+        "oscar",
+        dict(bits=4, rotation="random_orthogonal"),
+        64,
+        64,
+        "bfloat16",
+        {},
+    ),
     "f32_params_bf16_norms_fastdiv": (
-        "oscar", dict(bits=2, param_dtype="float32", norm_dtype="bfloat16"), 128, 96,
-        "bfloat16", dict(exact_division=False)),
+        "oscar",
+        dict(bits=2, param_dtype="float32", norm_dtype="bfloat16"),
+        128,
+        96,
+        "bfloat16",
+        dict(exact_division=False),
+    ),
 }
 
 
@@ -76,8 +118,10 @@ class TestQuantizeKernelGPU:
     @pytest.fixture(autouse=True)
     def _needs_device(self):
         if not self.INTERPRET and not gpu_available():
-            pytest.skip("no GPU: the compiled (Triton) kernel needs one; "
-                        "TestQuantizeKernelInterpret runs the same cases on CPU")
+            pytest.skip(
+                "no GPU: the compiled (Triton) kernel needs one; "
+                "TestQuantizeKernelInterpret runs the same cases on CPU"
+            )
 
     def encode(self, k, v, cfg, **opts):
         return pq.encode(k, v, cfg, interpret=self.INTERPRET, **opts)
@@ -109,7 +153,7 @@ class TestQuantizeKernelGPU:
     def test_matches_xla(self, name):
         method, over, d, t, dtype, opts = CASES[name]
         cfg = oj.preset(method, **over)
-        k, v = head_major_kv(hash(name) % 1000, 2, t, 3, d, jnp.dtype(dtype))
+        k, v = head_major_kv(zlib.crc32(name.encode()) % 1000, 2, t, 3, d, jnp.dtype(dtype))
         got = self.encode(k, v, cfg, **opts)
         ref = (oj.encode_keys_xla(k, cfg), oj.encode_values_xla(v, cfg))
         self.check(got, ref, cfg)
@@ -129,15 +173,19 @@ class TestQuantizeKernelGPU:
     def test_prefill_and_append_match_xla_path(self, method):
         cfg = oj.preset(method, bits=2, group_size=32, residual_length=32)
         b, t, h, d = 2, 120, 2, 64
-        k, v = kv_with_sinks(11, b, t + 40, h, d, dtype=jnp.bfloat16)
-        lengths = jnp.asarray([t, 70], jnp.int32)
+        k, v = kv_with_sinks(11, b, t + 8, h, d, dtype=jnp.bfloat16)
+        lengths = jnp.asarray([t, 90], jnp.int32)  # flushes at 128 and 96 tokens
         opts = dict(interpret=self.INTERPRET, groups_per_block=2)
         caches = {}
         for impl, kw in (("xla", {}), ("pallas", opts)):
             c = oj.init_cache(cfg, batch=b, max_len=256, num_kv_heads=h, head_dim=d)
-            c = oj.prefill(c, k[:, :t], v[:, :t], lengths, implementation=impl, **kw)
-            for i in range(t, t + 40):  # crosses a flush of G tokens for both rows
-                c = oj.append(c, k[:, i], v[:, i], implementation=impl, **kw)
+            pre = jax.jit(functools.partial(oj.prefill, implementation=impl, **kw))
+            app = jax.jit(functools.partial(oj.append, implementation=impl, **kw))
+            c = pre(c, k[:, :t], v[:, :t], lengths)
+            nq0 = c.num_quantized()
+            for i in range(t, t + 8):  # crosses one flush of G tokens in each row
+                c = app(c, k[:, i], v[:, i])
+            assert np.all(np.asarray(c.num_quantized() > nq0))
             caches[impl] = c
         x, p = caches["xla"], caches["pallas"]
         np.testing.assert_array_equal(x.lengths, p.lengths)

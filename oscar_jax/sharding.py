@@ -1,0 +1,199 @@
+"""Sharded caches and decode attention on a (data, model, sequence) device mesh.
+
+Default layout (``MeshAxes``; every axis must exist in the mesh, size 1 is fine):
+
+* **data**: batch rows (all per-row arrays, ``lengths`` and ``flags``).
+* **model**: KV heads (and the query heads that read them; ``per_token`` norms,
+  shared by all heads, are replicated over this axis).
+* **sequence**: the quantized part along tokens (codes, scales, zeros, norms).
+  The full-precision ring (R + G tokens) stays replicated over this axis: it is
+  small and every shard needs the newest tokens. For a ``bf16`` cache the ring
+  *is* the sequence, so it is split along slots instead.
+
+Decode attention runs under ``shard_map``: each device attends over its own
+shard and returns (acc, max, sum); the partials are merged exactly with a
+``pmax`` and two ``psum`` over the sequence axis, then the replicated ring is
+folded in. Appends write only on the shard that owns the position, so nothing
+is gathered (``tests/test_sharding.py`` checks the compiled HLO).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Float
+
+from oscar_jax import attention as att
+from oscar_jax import cache as kvc
+from oscar_jax.cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+    """Names of the mesh axes that shard rows, heads and tokens."""
+
+    data: str = "data"
+    model: str = "model"
+    sequence: str = "sequence"
+
+
+AXES = MeshAxes()
+
+
+def _sizes(mesh: Mesh, ax: MeshAxes) -> tuple[int, int, int]:
+    missing = [a for a in (ax.data, ax.model, ax.sequence) if a not in mesh.shape]
+    if missing:
+        raise ValueError(f"mesh axes {tuple(mesh.shape)} must include {missing}")
+    return mesh.shape[ax.data], mesh.shape[ax.model], mesh.shape[ax.sequence]
+
+
+def cache_specs(cache: KVCache, ax: MeshAxes = AXES) -> KVCache:
+    """A KVCache-shaped pytree of PartitionSpecs: the default layout above."""
+    d, m, s = ax.data, ax.model, ax.sequence
+    q4 = P(d, m, s, None)
+    norm_heads = m if cache.k_norm.shape[1] == cache.num_kv_heads else None
+    ring = P(d, m, s, None) if not cache.cfg.quantized else P(d, m, None, None)
+    return dataclasses.replace(
+        cache,
+        k_codes=q4, k_scale=q4, k_zero=q4, k_norm=P(d, norm_heads, s),
+        v_codes=q4, v_scale=q4, v_zero=q4,
+        k_res=ring, v_res=ring, lengths=P(d), flags=P(d),
+    )  # fmt: skip
+
+
+def check_mesh(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> None:
+    """ValueError unless the cache's shapes divide evenly over the mesh."""
+    nd, nm, ns = _sizes(mesh, ax)
+    if cache.batch % nd:
+        raise ValueError(f"batch={cache.batch} must be divisible by the {ax.data} axis ({nd})")
+    if cache.num_kv_heads % nm:
+        raise ValueError(
+            f"num_kv_heads={cache.num_kv_heads} must be divisible by the {ax.model} axis ({nm})"
+        )
+    if cache.cfg.quantized:
+        need = ns * cache.cfg.group_size
+        if cache.quant_capacity % need:
+            raise ValueError(
+                f"quantized capacity {cache.quant_capacity} must be divisible by "
+                f"{ax.sequence} axis x group_size = {need} (raise max_len)"
+            )
+    elif cache.slots % ns:
+        raise ValueError(
+            f"max_len={cache.max_len} must be divisible by the {ax.sequence} axis ({ns}) "
+            "for a bf16 cache"
+        )
+
+
+def cache_shardings(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
+    """A KVCache-shaped pytree of NamedShardings (for jit's in/out_shardings)."""
+    check_mesh(cache, mesh, ax)
+    specs = cache_specs(cache, ax)
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
+    )
+
+
+def shard_cache(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
+    """Place a cache on the mesh in the default layout."""
+    return jax.device_put(cache, cache_shardings(cache, mesh, ax))
+
+
+def query_spec(ax: MeshAxes = AXES) -> P:
+    """q and the attention output [B, Hq, D]: rows on data, heads on model."""
+    return P(ax.data, ax.model, None)
+
+
+def _merge_over(part, axis: str):
+    """Exact softmax merge of (acc, m, l) partials across a mesh axis (inside shard_map)."""
+    acc, m, denom = part
+    m_all = jax.lax.pmax(m, axis)
+    acc, denom = att.rescale_partials([(acc, m, denom)], m_all)
+    return jax.lax.psum(acc, axis), m_all, jax.lax.psum(denom, axis)
+
+
+def sharded_decode_attention(
+    q: Float[Array, "B Hq D"],
+    cache: KVCache,
+    mesh: Mesh,
+    *,
+    softmax_scale: float | None = None,
+    ax: MeshAxes = AXES,
+) -> Float[Array, "B Hq D"]:
+    """``decode_attention`` (XLA reference math) over a cache sharded in the default layout."""
+    att.check_query(q, cache)
+    check_mesh(cache, mesh, ax)
+    cfg = cache.cfg
+
+    def local(q, c):
+        qg, q_rot, scale = att.grouped_query(q, c, softmax_scale)
+        idx = jax.lax.axis_index(ax.sequence)
+        if cfg.quantized:
+            part = att.quantized_partial(q_rot, c, scale, offset=idx * c.quant_capacity)
+            acc, m, denom = _merge_over(part, ax.sequence)
+            parts = [(att.unrotate_values(acc, cfg), m, denom), att.residual_partial(qg, c, scale)]
+        else:
+            part = att.residual_partial(qg, c, scale, offset=idx * c.slots)
+            parts = [_merge_over(part, ax.sequence)]
+        return att.merge_partials(parts).reshape(q.shape).astype(q.dtype)
+
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(query_spec(ax), cache_specs(cache, ax)),
+        out_specs=query_spec(ax),
+        check_vma=False,
+    )
+    return fn(q, cache)
+
+
+def sharded_append(
+    cache: KVCache,
+    k_t: Float[Array, "B H D"],
+    v_t: Float[Array, "B H D"],
+    mesh: Mesh,
+    *,
+    implementation: str = "xla",
+    ax: MeshAxes = AXES,
+    **options,
+) -> KVCache:
+    """``append`` for a cache in the default layout: each shard writes only what it owns."""
+    kvc._check_kv(cache, k_t, v_t, 3, "[batch, num_kv_heads, head_dim]")
+    check_mesh(cache, mesh, ax)
+    specs = cache_specs(cache, ax)
+    kv_spec = P(ax.data, ax.model, None)
+    smap = lambda f, ins, outs: jax.shard_map(  # noqa: E731
+        f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False
+    )
+    if not cache.cfg.quantized:
+        flags = cache.flags | kvc._nonfinite_rows(k_t, v_t)  # over all heads, before splitting
+
+        def local_ring(c, k, v, fl):
+            out, _, _ = kvc.append_to_ring(c, k, v, ring_offset=jax.lax.axis_index(ax.sequence)
+                                           * c.slots)  # fmt: skip
+            return dataclasses.replace(out, flags=out.flags | fl)
+
+        return smap(local_ring, (specs, kv_spec, kv_spec, P(ax.data)), specs)(
+            cache, k_t, v_t, flags
+        )
+    out, nq_old, flush = kvc.append_to_ring(cache, k_t, v_t)  # ring: not sequence-sharded
+    if cache.quant_capacity == 0:
+        return out
+
+    def do_flush(c):
+        c, ek, ev = kvc.encode_flush(c, nq_old, flush, implementation, options)
+        ek_spec = type(ek)(kv4 := P(ax.data, ax.model, None, None), kv4, kv4,
+                           P(ax.data, specs.k_norm[1], None))  # fmt: skip
+        ev_spec = type(ev)(kv4, kv4, kv4)
+
+        def local_write(c, ek, ev, nq, fl):
+            off = jax.lax.axis_index(ax.sequence) * c.quant_capacity
+            return kvc.write_groups(c, ek, ev, nq, fl, q_offset=off)
+
+        ins = (specs, ek_spec, ev_spec, P(ax.data), P(ax.data))
+        return smap(local_write, ins, specs)(c, ek, ev, nq_old, flush)
+
+    return jax.lax.cond(jnp.any(flush), do_flush, lambda c: c, out)
