@@ -8,6 +8,13 @@ on a leading layer axis (``jax.vmap`` of ``init_cache`` + ``prefill``); then a
 flags) and per step runs every layer with ``lax.scan`` over (layer params,
 layer cache): ``append`` the token's K/V, ``decode_attention`` of its query.
 
+With ``mesh=`` (a ``jax.sharding.Mesh`` with axes data / model / sequence) the
+same program runs sharded in the layout of ``models.sharding``: params and
+inputs are placed on the mesh, the per-layer step calls
+``oscar_jax.sharding.sharded_append`` / ``sharded_decode_attention``, and the
+stacked caches are pinned to their layout (``with_sharding_constraint``) after
+prefill and after every step, so the ``lax.scan`` carry keeps its shardings.
+
 Compilation is keyed by (batch, prompt bucket, max_new_tokens, cache length,
 configs, sampling mode): prompts of different lengths in one bucket and
 different temperatures / top_p / seeds reuse it (``trace_count`` proves it).
@@ -24,9 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import oscar_jax as oj
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
 from models import layers
+from models import sharding as msh
 from models.config import ModelConfig
 from models.model import CausalLM
+from oscar_jax import sharding as osh
 
 _TRACES: collections.Counter = collections.Counter()
 
@@ -57,6 +69,8 @@ class Static(NamedTuple):
     use_top_p: bool
     stop_tokens: tuple[int, ...]
     pad_id: int
+    mesh: Mesh | None = None  # sharded run (models.sharding's layout) when set
+    axes: osh.MeshAxes = osh.AXES
 
 
 # -- building blocks (pure, traced) -------------------------------------------------
@@ -64,8 +78,11 @@ def _prefill(st: Static, params, ids, lengths):
     """Prompt [B, T] -> (logits at lengths-1 [B, V] float32, stacked caches [L, ...])."""
     mc = st.model
     b, t = ids.shape
+    ax = st.axes
     valid = jnp.arange(t)[None, :] < lengths[:, None]
     x, (k, v) = layers.forward(mc, params, ids, valid=valid, keep_kv=True)
+    kv_spec = P(None, ax.data, None, ax.model, None)  # [L, B, T, Hkv, D]
+    k, v = msh.constrain(k, st.mesh, kv_spec), msh.constrain(v, st.mesh, kv_spec)
     last = x[jnp.arange(b), lengths - 1]
     logits = layers.lm_head(mc, params, last)
 
@@ -76,27 +93,38 @@ def _prefill(st: Static, params, ids, lengths):
         )  # fmt: skip
         return oj.prefill(c, k_l, v_l, lengths, implementation=st.encode_implementation)
 
-    return logits, jax.vmap(one)(k, v)
+    logits = msh.constrain(logits, st.mesh, P(ax.data, None))
+    return logits, msh.constrain_caches(jax.vmap(one)(k, v), st.mesh, ax)
 
 
 def _decode(st: Static, params, caches, tok, pos):
     """One new token per row: tok [B] at positions pos [B] -> (logits [B, V], caches)."""
-    mc = st.model
+    mc, mesh, ax = st.model, st.mesh, st.axes
     b = tok.shape[0]
+    caches = msh.constrain_caches(caches, mesh, ax)
     x = layers.embed(params, tok[:, None])  # [B, 1, Hd]
+    x_spec = P(ax.data, None, None)
 
     def layer(x, inp):
         lp, c = inp
+        x = msh.constrain(x, mesh, x_spec)
         hn = layers.rms_norm(x, lp["attn_norm"], mc.rms_norm_eps)
         q, k, v = layers.qkv(mc, lp, hn, pos[:, None])
-        c = oj.append(c, k[:, 0], v[:, 0], implementation=st.encode_implementation)
-        o = oj.decode_attention(q[:, 0], c, implementation=st.implementation)
+        if mesh is None:
+            c = oj.append(c, k[:, 0], v[:, 0], implementation=st.encode_implementation)
+            o = oj.decode_attention(q[:, 0], c, implementation=st.implementation)
+        else:
+            c = osh.sharded_append(c, k[:, 0], v[:, 0], mesh, ax=ax,
+                                   implementation=st.encode_implementation)  # fmt: skip
+            o = osh.sharded_decode_attention(q[:, 0], c, mesh, ax=ax)
         x = x + layers.dense(o.reshape(b, 1, mc.q_size).astype(x.dtype), lp["wo"], lp.get("bo"))
+        x = msh.constrain(x, mesh, x_spec)
         x = x + layers.mlp(lp, layers.rms_norm(x, lp["mlp_norm"], mc.rms_norm_eps))
         return x, c
 
     x, caches = jax.lax.scan(layer, x, (params["layers"], caches))
-    return layers.lm_head(mc, params, x[:, 0]), caches
+    logits = msh.constrain(layers.lm_head(mc, params, x[:, 0]), mesh, P(ax.data, None))
+    return logits, msh.constrain_caches(caches, mesh, ax)
 
 
 def _sample(st: Static, logits, key, temperature, top_p):
@@ -141,6 +169,7 @@ def _generate_jit(st: Static, n_new: int, params, ids, lengths, key, temperature
         logits, caches = _decode(st, params, caches, tok, lengths + i)
         key, sk = jax.random.split(key)
         nxt, done = _next(st, logits, sk, done, temperature, top_p)
+        nxt, done = (msh.constrain(a, st.mesh, P(st.axes.data)) for a in (nxt, done))
         return (caches, nxt, key, done), nxt
 
     carry = (caches, tok0, key, done0)
@@ -190,6 +219,8 @@ def prepare(
     top_p: float | None = None,
     stop_tokens=None,
     pad_token_id: int | None = None,
+    mesh: Mesh | None = None,
+    mesh_axes: osh.MeshAxes = osh.AXES,
 ) -> Prepared:
     """Validate the inputs (ValueError on bad ids / lengths / sizes) and build the static config."""
     if not isinstance(kv, oj.KVQuantConfig):
@@ -233,15 +264,38 @@ def prepare(
     if pad_token_id is None:
         pad_token_id = stops[0] if stops else 0
     cache_kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
+    if mesh is not None:
+        _check_mesh(m.config, cache_kv, mesh, mesh_axes, b, int(max_len), implementation)
     st = Static(
         model=m.config, kv=cache_kv, max_len=int(max_len),
         cache_dtype=jnp.dtype(cache_dtype or m.dtype).name, implementation=implementation,
         encode_implementation=encode_implementation,
         greedy=greedy, top_k=None if greedy else top_k,
         use_top_p=(not greedy) and top_p is not None and top_p < 1.0,
-        stop_tokens=stops, pad_id=int(pad_token_id),
+        stop_tokens=stops, pad_id=int(pad_token_id), mesh=mesh, axes=mesh_axes,
     )  # fmt: skip
-    return Prepared(st, m.folded_params(kv), jnp.asarray(pad), jnp.asarray(lens, jnp.int32))
+    ids_j, lens_j = jnp.asarray(pad), jnp.asarray(lens, jnp.int32)
+    if mesh is None:
+        return Prepared(st, m.folded_params(kv), ids_j, lens_j)
+    ids_j = jax.device_put(ids_j, msh.rows(mesh, mesh_axes, 2))
+    lens_j = jax.device_put(lens_j, msh.rows(mesh, mesh_axes))
+    return Prepared(st, m.sharded_params(kv, mesh, mesh_axes), ids_j, lens_j)
+
+
+def _check_mesh(mc: ModelConfig, kv, mesh, ax, batch: int, max_len: int, implementation: str):
+    """ValueError unless the model, batch and cache divide over the mesh (see models.sharding)."""
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
+    if implementation != "xla":
+        raise ValueError(
+            f"implementation={implementation!r}: sharded decoding (mesh=...) runs the XLA "
+            "attention math per shard; use implementation='xla'"
+        )
+    msh.check_model_mesh(mc, mesh, ax, batch=batch)
+    shape = jax.eval_shape(lambda: oj.init_cache(
+        kv, batch=batch, max_len=max_len, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+    ))  # fmt: skip
+    osh.check_mesh(shape, mesh, ax)
 
 
 def generate(
@@ -262,6 +316,8 @@ def generate(
     pad_token_id: int | None = None,
     encode_implementation: str = "xla",
     return_info: bool = False,
+    mesh: Mesh | None = None,
+    mesh_axes: osh.MeshAxes = osh.AXES,
 ):
     """Generate ``max_new_tokens`` tokens per row -> [B, N] int32 (and info with ``return_info``).
 
@@ -274,13 +330,16 @@ def generate(
     ``implementation`` picks ``oj.decode_attention``'s ("xla" or "pallas"),
     ``encode_implementation`` the quantizer of ``oj.prefill`` / ``oj.append``.
     info: ``flags`` [B] (OR over layers of ``oj.FLAG_*``), ``cache_lengths`` [B], ``done`` [B].
+    ``mesh``: run sharded on a ``jax.sharding.Mesh`` with axes ``mesh_axes`` (default
+    ("data", "model", "sequence"); layout and requirements in ``models.sharding``);
+    the tokens are the same as unsharded (logits equal up to float summation order).
     """
     kv = oj.preset("oscar", bits=2) if kv is None else kv
     p = prepare(
         m, input_ids, max_new_tokens=max_new_tokens, kv=kv, lengths=lengths, max_len=max_len,
         cache_dtype=cache_dtype, implementation=implementation, temperature=temperature,
         top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, pad_token_id=pad_token_id,
-        encode_implementation=encode_implementation,
+        encode_implementation=encode_implementation, mesh=mesh, mesh_axes=mesh_axes,
     )  # fmt: skip
     key = jax.random.key(seed)
     out, info = _generate_jit(
@@ -299,8 +358,10 @@ def prefill(m: CausalLM, input_ids, kv: oj.KVQuantConfig, *, max_new_tokens: int
 
 def decode_step(p: Prepared, caches, tok, pos):
     """Step-by-step API: feed tok [B] at positions pos [B] -> (logits [B, V], caches)."""
-    return _step_jit(p.st, p.params, caches, jnp.asarray(tok, jnp.int32),
-                     jnp.asarray(pos, jnp.int32))  # fmt: skip
+    tok, pos = jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32)
+    if p.st.mesh is not None:
+        tok, pos = jax.device_put((tok, pos), msh.rows(p.st.mesh, p.st.axes))
+    return _step_jit(p.st, p.params, caches, tok, pos)
 
 
 def generate_stepwise(m: CausalLM, input_ids, max_new_tokens: int, kv=None, lengths=None,

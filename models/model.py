@@ -90,6 +90,17 @@ class CausalLM(nnx.Module):
             self._folded[key] = fold_value_rotation(self.config, self.params(), r)
         return self._folded[key]
 
+    def sharded_params(self, kv: oj.KVQuantConfig | None, mesh, ax=None) -> dict:
+        """``folded_params(kv)`` placed on ``mesh`` in ``models.sharding``'s layout (cached)."""
+        from models import sharding as msh
+
+        ax = ax or msh.AXES
+        rot = (kv.rotation, kv.rotation_seed) if kv is not None and kv.rotate_values else None
+        key = ("mesh", rot, mesh, ax)
+        if key not in self._folded:
+            self._folded[key] = msh.shard_params(self.config, self.folded_params(kv), mesh, ax)
+        return self._folded[key]
+
     # -- inference -------------------------------------------------------------------
     def check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)

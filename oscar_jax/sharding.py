@@ -44,15 +44,37 @@ class MeshAxes:
 AXES = MeshAxes()
 
 
-def _sizes(mesh: Mesh, ax: MeshAxes) -> tuple[int, int, int]:
+def mesh_sizes(mesh: Mesh, ax: MeshAxes = AXES) -> tuple[int, int, int]:
+    """(data, model, sequence) sizes of the mesh; ValueError if an axis is missing."""
     missing = [a for a in (ax.data, ax.model, ax.sequence) if a not in mesh.shape]
     if missing:
         raise ValueError(f"mesh axes {tuple(mesh.shape)} must include {missing}")
     return mesh.shape[ax.data], mesh.shape[ax.model], mesh.shape[ax.sequence]
 
 
-def cache_specs(cache: KVCache, ax: MeshAxes = AXES) -> KVCache:
-    """A KVCache-shaped pytree of PartitionSpecs: the default layout above."""
+def _per_layer(cache: KVCache, leading_axes: int) -> KVCache:
+    """The cache with ``leading_axes`` leading (stacking) axes dropped, as shapes only."""
+    if leading_axes == 0:
+        return cache
+    if isinstance(leading_axes, bool) or not isinstance(leading_axes, int) or leading_axes < 0:
+        raise ValueError(f"leading_axes={leading_axes!r} must be an int >= 0")
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[leading_axes:], x.dtype), cache
+    )
+
+
+def cache_specs(cache: KVCache, ax: MeshAxes = AXES, leading_axes: int = 0) -> KVCache:
+    """A KVCache-shaped pytree of PartitionSpecs: the default layout above.
+
+    ``leading_axes``: unsharded axes in front of every field, e.g. 1 for the caches of all
+    layers stacked on a leading layer axis (``jax.vmap`` of ``init_cache``).
+    """
+    if leading_axes:
+        specs = cache_specs(_per_layer(cache, leading_axes), ax)
+        pad = (None,) * leading_axes
+        return jax.tree_util.tree_map(
+            lambda s: P(*pad, *s), specs, is_leaf=lambda x: isinstance(x, P)
+        )
     d, m, s = ax.data, ax.model, ax.sequence
     q4 = P(d, m, s, None)
     norm_heads = m if cache.k_norm.shape[1] == cache.num_kv_heads else None
@@ -65,9 +87,10 @@ def cache_specs(cache: KVCache, ax: MeshAxes = AXES) -> KVCache:
     )  # fmt: skip
 
 
-def check_mesh(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> None:
+def check_mesh(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES, leading_axes: int = 0) -> None:
     """ValueError unless the cache's shapes divide evenly over the mesh."""
-    nd, nm, ns = _sizes(mesh, ax)
+    cache = _per_layer(cache, leading_axes)
+    nd, nm, ns = mesh_sizes(mesh, ax)
     if cache.batch % nd:
         raise ValueError(f"batch={cache.batch} must be divisible by the {ax.data} axis ({nd})")
     if cache.num_kv_heads % nm:
@@ -88,18 +111,22 @@ def check_mesh(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> None:
         )
 
 
-def cache_shardings(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
+def cache_shardings(
+    cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES, leading_axes: int = 0
+) -> KVCache:
     """A KVCache-shaped pytree of NamedShardings (for jit's in/out_shardings)."""
-    check_mesh(cache, mesh, ax)
-    specs = cache_specs(cache, ax)
+    check_mesh(cache, mesh, ax, leading_axes)
+    specs = cache_specs(cache, ax, leading_axes)
     return jax.tree_util.tree_map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P)
     )
 
 
-def shard_cache(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
-    """Place a cache on the mesh in the default layout."""
-    return jax.device_put(cache, cache_shardings(cache, mesh, ax))
+def shard_cache(
+    cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES, leading_axes: int = 0
+) -> KVCache:
+    """Place a cache (``leading_axes`` stacking axes in front) on the mesh in the default layout."""
+    return jax.device_put(cache, cache_shardings(cache, mesh, ax, leading_axes))
 
 
 def query_spec(ax: MeshAxes = AXES) -> P:

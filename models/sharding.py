@@ -1,0 +1,126 @@
+"""Sharded long-context decoding: the models' parameters and caches on a (data, model, sequence) mesh.
+
+Default layout (``oscar_jax.sharding.MeshAxes`` names; every axis must exist, size 1 is fine):
+
+* **data**: batch rows (prompt ids, lengths, tokens, logits, every cache row).
+* **model**: attention heads, Megatron style. ``wq``/``wk``/``wv`` (and their biases)
+  are column-split by heads, so device i of the axis holds KV heads
+  ``[i * Hkv/n, (i+1) * Hkv/n)`` and exactly the query heads that read them (GQA
+  groups are contiguous); ``wo`` is row-split (one all-reduce of the layer's
+  output). The MLP likewise: ``w_gate``/``w_up`` column-split, ``w_down`` row-split
+  (one all-reduce). Embeddings, ``lm_head``, norms, ``bo`` and ``q_norm``/``k_norm``
+  (over head_dim, shared by all heads) are replicated.
+* **sequence**: the cache's quantized part along tokens (``oscar_jax.sharding``'s
+  layout, with the stacked layer axis in front and unsharded); the dense layers are
+  replicated over this axis and only attention is split: each device attends over
+  its token shard and the partial softmaxes are merged exactly (pmax + psum).
+
+Requirements (ValueError otherwise): ``num_kv_heads`` and ``intermediate_size``
+divisible by the model axis (a head is never split: a KV head must live with its
+cache), batch by the data axis, and the cache by the sequence axis
+(``oscar_jax.sharding.check_mesh``: quantized capacity by ``sequence x group_size``,
+or ``max_len`` by ``sequence`` for a ``bf16`` cache).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models import layers
+from models.config import ModelConfig
+from oscar_jax import sharding as osh
+from oscar_jax.sharding import AXES, MeshAxes
+
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [L, in, out]: out split
+_ROW = ("wo", "w_down")  # [L, in, out]: in split
+_BIAS = ("bq", "bk", "bv")  # [L, out]: out split
+
+
+def check_model_mesh(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES, batch=None) -> None:
+    """ValueError unless the model's heads / MLP (and ``batch``) divide evenly over the mesh."""
+    nd, nm, _ = osh.mesh_sizes(mesh, ax)
+    if cfg.num_kv_heads % nm:
+        raise ValueError(
+            f"num_kv_heads={cfg.num_kv_heads} must be divisible by the {ax.model} axis ({nm}): "
+            "heads are split whole, each KV head with its query heads and its cache"
+        )
+    if cfg.intermediate_size % nm:
+        raise ValueError(
+            f"intermediate_size={cfg.intermediate_size} must be divisible by the "
+            f"{ax.model} axis ({nm})"
+        )
+    if batch is not None and batch % nd:
+        raise ValueError(f"batch={batch} must be divisible by the {ax.data} axis ({nd})")
+
+
+def param_specs(cfg: ModelConfig, ax: MeshAxes = AXES) -> dict:
+    """PartitionSpecs with the tree of ``CausalLM.params()`` (the default layout above)."""
+    shapes = layers.param_shapes(cfg)
+    m = ax.model
+
+    def lay(name):
+        if name in _COLUMN:
+            return P(None, None, m)
+        if name in _ROW:
+            return P(None, m, None)
+        if name in _BIAS:
+            return P(None, m)
+        return P()
+
+    out = {k: P() for k in shapes if k != "layers"}
+    out["layers"] = {k: lay(k) for k in shapes["layers"]}
+    return out
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES) -> dict:
+    check_model_mesh(cfg, mesh, ax)
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s), param_specs(cfg, ax), is_leaf=lambda x: isinstance(x, P)
+    )
+
+
+def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh, ax: MeshAxes = AXES) -> dict:
+    """Place a params tree on the mesh in the default layout."""
+    return jax.device_put(params, param_shardings(cfg, mesh, ax))
+
+
+def rows(mesh: Mesh, ax: MeshAxes = AXES, ndim: int = 1) -> NamedSharding:
+    """Sharding of a per-row array of rank ``ndim``: rows on data, the rest replicated."""
+    return NamedSharding(mesh, P(ax.data, *([None] * (ndim - 1))))
+
+
+def constrain(x, mesh: Mesh | None, spec: P):
+    """``with_sharding_constraint`` to ``spec`` on ``mesh`` (identity without a mesh)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def constrain_caches(caches, mesh: Mesh | None, ax: MeshAxes = AXES):
+    """Pin the layer-stacked caches [L, ...] to the default cache layout (identity without mesh)."""
+    if mesh is None:
+        return caches
+    return jax.lax.with_sharding_constraint(
+        caches, osh.cache_shardings(caches, mesh, ax, leading_axes=1)
+    )
+
+
+_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_COLLECTIVE = re.compile(rf"\s({'|'.join(_KINDS)})(?:-start)?\(")
+
+
+def collectives(hlo_text: str) -> collections.Counter:
+    """Count the collective ops of a compiled HLO text (``jit(f).lower(...).compile().as_text()``)."""
+    found = (_COLLECTIVE.search(ln) for ln in hlo_text.splitlines())
+    return collections.Counter(m.group(1) for m in found if m)
+
+
+def collective_lines(hlo_text: str, kind: str) -> list[str]:
+    """The HLO instructions of one collective kind (e.g. ``"all-gather"``), for inspection."""
+    return [ln.strip() for ln in hlo_text.splitlines()
+            if (m := _COLLECTIVE.search(ln)) and m.group(1) == kind]  # fmt: skip
