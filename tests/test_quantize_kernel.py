@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from conftest import gpu_available
 from helpers import kv_with_sinks
+from tolerances import QUANT_CODES_OFF_BY_ONE, QUANT_PARAM_ULPS
 
 import oscar_jax as oj
 import pallas_kernels  # noqa: F401  (registers implementation="pallas")
@@ -112,8 +113,8 @@ def ulps(a, b) -> int:
 
 class TestQuantizeKernelGPU:
     INTERPRET = False
-    MAX_CODE_MISMATCH = 0.025  # fraction of codes off by one (measured <= 1.9 % on the H200)
-    MAX_ULP = 1  # scales / zeros / norms, in ulps of their 16-bit dtype
+    MAX_CODE_MISMATCH = QUANT_CODES_OFF_BY_ONE["gpu"]
+    MAX_ULP = QUANT_PARAM_ULPS
 
     @pytest.fixture(autouse=True)
     def _needs_device(self):
@@ -199,7 +200,7 @@ class TestQuantizeKernelGPU:
 
 class TestQuantizeKernelInterpret(TestQuantizeKernelGPU):
     INTERPRET = True
-    MAX_CODE_MISMATCH = 1e-4  # measured: 0 in every case
+    MAX_CODE_MISMATCH = QUANT_CODES_OFF_BY_ONE["interpret"]
 
 
 class TestQuantizeKernelAPI:
