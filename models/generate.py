@@ -29,11 +29,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-import oscar_jax as oj
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import oscar_jax as oj
 from models import layers
 from models import sharding as msh
 from models.config import ModelConfig

@@ -1,4 +1,4 @@
-"""Sharded long-context decoding: the models' parameters and caches on a (data, model, sequence) mesh.
+"""Sharded long-context decoding: params and caches on a (data, model, sequence) mesh.
 
 Default layout (``oscar_jax.sharding.MeshAxes`` names; every axis must exist, size 1 is fine):
 
@@ -115,7 +115,7 @@ _COLLECTIVE = re.compile(rf"\s({'|'.join(_KINDS)})(?:-start)?\(")
 
 
 def collectives(hlo_text: str) -> collections.Counter:
-    """Count the collective ops of a compiled HLO text (``jit(f).lower(...).compile().as_text()``)."""
+    """Count the collective ops in a compiled HLO text (``.lower(..).compile().as_text()``)."""
     found = (_COLLECTIVE.search(ln) for ln in hlo_text.splitlines())
     return collections.Counter(m.group(1) for m in found if m)
 
@@ -124,3 +124,38 @@ def collective_lines(hlo_text: str, kind: str) -> list[str]:
     """The HLO instructions of one collective kind (e.g. ``"all-gather"``), for inspection."""
     return [ln.strip() for ln in hlo_text.splitlines()
             if (m := _COLLECTIVE.search(ln)) and m.group(1) == kind]  # fmt: skip
+
+
+def decode_step_hlo(
+    cfg: ModelConfig, kv, mesh: Mesh, *, batch: int, max_len: int, dtype="bfloat16",
+    ax: MeshAxes = AXES,
+) -> str:  # fmt: skip
+    """Compiled HLO text of one sharded decode step (all layers) of model ``cfg`` on ``mesh``.
+
+    Lowered from shapes only (``ShapeDtypeStruct``s carrying the default shardings), so
+    it works for full-size configs without allocating params or caches.
+    """
+    import sys
+
+    import jax.numpy as jnp
+
+    from models import memory
+
+    gen = sys.modules["models.generate"]
+    kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
+    gen._check_mesh(cfg, kv, mesh, ax, batch, max_len, "xla")
+    st = gen.Static(
+        model=cfg, kv=kv, max_len=max_len, cache_dtype=jnp.dtype(dtype).name,
+        implementation="xla", encode_implementation="xla", greedy=True, top_k=None,
+        use_top_p=False, stop_tokens=(), pad_id=0, mesh=mesh, axes=ax,
+    )  # fmt: skip
+    put = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+    shapes = jax.tree_util.tree_map(
+        lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)), layers.param_shapes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
+    )  # fmt: skip
+    params = jax.tree_util.tree_map(put, shapes, param_shardings(cfg, mesh, ax))
+    caches = memory.abstract_caches(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
+    caches = jax.tree_util.tree_map(put, caches, osh.cache_shardings(caches, mesh, ax, 1))
+    tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows(mesh, ax))
+    return gen._step_jit.lower(st, params, caches, tok, tok).compile().as_text()

@@ -122,9 +122,7 @@ def cache_shardings(
     )
 
 
-def shard_cache(
-    cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES, leading_axes: int = 0
-) -> KVCache:
+def shard_cache(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES, leading_axes: int = 0) -> KVCache:
     """Place a cache (``leading_axes`` stacking axes in front) on the mesh in the default layout."""
     return jax.device_put(cache, cache_shardings(cache, mesh, ax, leading_axes))
 

@@ -1,0 +1,164 @@
+"""Sharded generation on 8 simulated CPU devices equals the unsharded run (models.sharding)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import models
+import oscar_jax as oj
+from models import sharding as msh
+from models.config import ModelConfig
+from oscar_jax import sharding as osh
+
+MESHES = ((8, 1, 1), (2, 4, 1), (1, 2, 4), (1, 1, 8))  # (data, model, sequence)
+METHODS = ("bf16", "oscar")
+N_NEW, N_STEPS, MAX_LEN = 24, 8, 160  # max_len: bf16 ring 160 = 8 x 20; INT2 capacity 256
+LENGTHS = np.array([100, 60, 64, 90, 5, 71, 100, 50], np.int32)  # ragged; T = 100 (bucket 128)
+CFG = ModelConfig(
+    family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+    num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=1024,
+)  # fmt: skip
+GEN = sys.modules["models.generate"]  # the module (models.generate is the function)
+
+
+def make_mesh(shape):
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    return Mesh(np.array(jax.devices()[:8]).reshape(shape), ("data", "model", "sequence"))
+
+
+def kv_cfg(method):
+    if method == "bf16":
+        return oj.preset("bf16")
+    # small R and G: prompts reach the INT2 part and rows flush during decoding
+    return oj.preset("oscar", bits=2, residual_length=32, group_size=32)
+
+
+@functools.cache
+def model():
+    m = models.CausalLM(CFG, rngs=nnx.Rngs(0))
+    # weights 3.5x the default init: logits of order 1, so greedy choices are clear
+    m.set_params(jax.tree_util.tree_map(lambda a: a * 3.5 if a.ndim >= 2 else a, m.params()))
+    return m
+
+
+def prompt():
+    return np.random.default_rng(0).integers(0, CFG.vocab_size, (8, 100)).astype(np.int32)
+
+
+def run(method, mesh=None):
+    """-> (greedy tokens of generate, logits of prefill + N_STEPS decode steps, caches)."""
+    m, kv, ids = model(), kv_cfg(method), prompt()
+    kw = dict(lengths=LENGTHS, max_len=MAX_LEN, stop_tokens=(), mesh=mesh)
+    toks = np.asarray(models.generate(m, ids, N_NEW, kv=kv, **kw))
+    logits, caches, p = models.prefill(m, ids, kv, max_new_tokens=N_NEW, **kw)
+    first = caches
+    out = [np.asarray(logits)]
+    for i in range(N_STEPS):  # teacher-forced with the greedy tokens of generate
+        logits, caches = models.decode_step(p, caches, toks[:, i], LENGTHS + i)
+        out.append(np.asarray(logits))
+    return toks, np.stack(out), first, caches, p
+
+
+@functools.cache
+def reference(method):
+    toks, logits, first, caches, _ = run(method)
+    return toks, logits, first, caches
+
+
+def expected_shard(shape, spec, mesh):
+    return tuple(
+        n // (mesh.shape[a] if a else 1) for n, a in zip(shape, (*spec, *[None] * 9), strict=False)
+    )
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_sharded_generation_equals_unsharded(mesh_shape, method):
+    mesh = make_mesh(mesh_shape)
+    ref_toks, ref_logits, ref_first, ref_caches = reference(method)
+    toks, logits, first, caches, p = run(method, mesh)
+    np.testing.assert_array_equal(toks, ref_toks)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(caches.lengths), np.asarray(ref_caches.lengths))
+    assert not np.any(np.asarray(caches.flags))
+    np.testing.assert_allclose(np.asarray(caches.k_res), np.asarray(ref_caches.k_res),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    if method == "oscar":
+        nq0, nq = np.asarray(first.num_quantized()), np.asarray(caches.num_quantized())
+        assert nq0.max() >= 64 and np.any(nq > nq0)  # INT2 part used, flushes while decoding
+        same = np.mean(np.asarray(caches.k_codes) == np.asarray(ref_caches.k_codes))
+        assert same >= 0.999, same  # float-order differences may flip a rare rounding tie
+    # every device holds only its shard of the cache, the params and the inputs
+    specs = osh.cache_specs(caches, leading_axes=1)
+    for leaf, spec in zip(jax.tree_util.tree_leaves(caches), jax.tree_util.tree_leaves(
+            specs, is_leaf=lambda x: isinstance(x, P)), strict=True):  # fmt: skip
+        if leaf.size == 0:  # the empty quantized fields of a bf16 cache
+            continue
+        want = expected_shard(leaf.shape, spec, mesh)
+        assert {s.data.shape for s in leaf.addressable_shards} == {want}, (spec, want)
+    nd, nm, ns = mesh_shape
+    c = caches.k_codes if method == "oscar" else caches.k_res
+    assert c.addressable_shards[0].data.shape[1:4] == (8 // nd, 4 // nm, c.shape[3] // ns)
+    wq, wo = p.params["layers"]["wq"], p.params["layers"]["wo"]
+    assert wq.addressable_shards[0].data.shape == (2, 64, 8 * 32 // nm)
+    assert wo.addressable_shards[0].data.shape == (2, 8 * 32 // nm, 64)
+    assert p.ids.addressable_shards[0].data.shape == (8 // nd, 128)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_decode_step_hlo_has_no_all_gather(method):
+    mesh = make_mesh((2, 2, 2))
+    m, kv = model(), kv_cfg(method)
+    _, caches, p = models.prefill(m, prompt(), kv, lengths=LENGTHS, max_len=MAX_LEN, mesh=mesh)
+    tok = jax.device_put(jnp.zeros(8, jnp.int32), msh.rows(mesh))
+    step = GEN._step_jit.lower(p.st, p.params, caches, tok, tok).compile()
+    hlo = step.as_text()
+    found = msh.collectives(hlo)
+    assert found["all-gather"] == 0, msh.collective_lines(hlo, "all-gather")[:3]
+    assert found["all-to-all"] == 0 and found["collective-permute"] == 0, found
+    assert found["all-reduce"] >= 3, found  # o_proj, MLP down (model), softmax merge (sequence)
+    # the caches come out in the layout they came in: no resharding between steps
+    out_sh = jax.tree_util.tree_leaves(step.output_shardings[1])
+    for leaf, sh in zip(jax.tree_util.tree_leaves(caches), out_sh, strict=True):
+        assert sh.is_equivalent_to(leaf.sharding, leaf.ndim)
+
+
+def test_stacked_cache_specs():
+    kv = kv_cfg("oscar")
+    one = oj.init_cache(kv, batch=8, max_len=MAX_LEN, num_kv_heads=4, head_dim=32)
+    stacked = jax.eval_shape(lambda: jax.vmap(lambda _: one)(jnp.arange(3)))
+    flat = lambda t: jax.tree_util.tree_leaves(t, is_leaf=lambda x: isinstance(x, P))  # noqa: E731
+    for a, b in zip(
+        flat(osh.cache_specs(stacked, leading_axes=1)), flat(osh.cache_specs(one)), strict=True
+    ):
+        assert a == P(None, *b)
+    osh.check_mesh(stacked, make_mesh((1, 1, 8)), leading_axes=1)
+    with pytest.raises(ValueError, match="num_kv_heads=4"):
+        osh.check_mesh(stacked, make_mesh((1, 8, 1)), leading_axes=1)
+
+
+def test_bad_mesh_raises():
+    m, ids = model(), prompt()
+    kw = dict(lengths=LENGTHS, max_len=MAX_LEN)
+    with pytest.raises(ValueError, match="num_kv_heads=4 must be divisible by the model axis"):
+        models.generate(m, ids, 2, mesh=make_mesh((1, 8, 1)), **kw)
+    with pytest.raises(ValueError, match="batch=4 must be divisible by the data axis"):
+        models.generate(m, ids[:4], 2, lengths=LENGTHS[:4], max_len=MAX_LEN,
+                        mesh=make_mesh((8, 1, 1)))  # fmt: skip
+    with pytest.raises(ValueError, match="max_len=156 must be divisible"):
+        models.generate(m, ids, 2, kv=oj.preset("bf16"), lengths=LENGTHS, max_len=156,
+                        mesh=make_mesh((1, 1, 8)))  # fmt: skip
+    with pytest.raises(ValueError, match="implementation='pallas'"):
+        models.generate(m, ids, 2, implementation="pallas", mesh=make_mesh((1, 1, 8)), **kw)
+    assert math.prod(make_mesh((2, 2, 2)).devices.shape) == 8
