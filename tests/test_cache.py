@@ -217,3 +217,25 @@ class ErrorTest(parameterized.TestCase):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+class JitParityTest(parameterized.TestCase):
+    """Every public op gives the same result with and without jit."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.parameters("kivi", "oscar", "bf16")
+    def test_fake_quant_prefill_append_dequantize(self, method):
+        cfg = small_cfg(method)
+        k, v = kv_with_sinks(9, 2, 99, 2, 64)
+        kh = self.variant(lambda x: oj.fake_quant_keys(x, cfg))(k)
+        vh = self.variant(lambda x: oj.fake_quant_values(x, cfg))(v)
+        chex.assert_trees_all_close(kh, oj.fake_quant_keys(k, cfg), rtol=1e-6, atol=1e-6)
+        chex.assert_trees_all_close(vh, oj.fake_quant_values(v, cfg), rtol=1e-6, atol=1e-6)
+        assert kh.shape == k.shape and kh.dtype == k.dtype
+        c0 = oj.init_cache(cfg, batch=2, max_len=160, num_kv_heads=2, head_dim=64,
+                           dtype=jnp.float32)  # fmt: skip
+        c = self.variant(oj.prefill)(c0, k, v, jnp.array([99, 40]))
+        c = self.variant(oj.append)(c, k[:, 0], v[:, 0])
+        want = oj.append(oj.prefill(c0, k, v, jnp.array([99, 40])), k[:, 0], v[:, 0])
+        chex.assert_trees_all_equal(c, want)
+        chex.assert_trees_all_equal(self.variant(oj.dequantize)(c), oj.dequantize(want))
