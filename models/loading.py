@@ -57,13 +57,41 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n < 0 or 8 + n > size:
+                raise ValueError(
+                    f"{path}: truncated safetensors file ({size} bytes; header length "
+                    f"{n if n >= 0 else 'missing'})"
+                )
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise ValueError(f"{path}: corrupted safetensors header ({e})") from e
         header.pop("__metadata__", None)
         self.header = header
         self.offset = 8 + n
         self._mm = None
+        data = size - self.offset
+        for name, info in header.items():
+            try:
+                a, b = (int(x) for x in info["data_offsets"])
+                shape = tuple(int(x) for x in info["shape"])
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"{path}: tensor {name!r} has a bad header entry") from e
+            if b > data:
+                raise ValueError(
+                    f"{path}: truncated: tensor {name!r} needs bytes {a}..{b} of the data "
+                    f"section, the file has {data}"
+                )
+            dt = _ST_DTYPES.get(info.get("dtype"))
+            if dt is not None and b - a != np.dtype(dt).itemsize * int(np.prod(shape)):
+                raise ValueError(
+                    f"{path}: tensor {name!r} has {b - a} bytes, {info['dtype']} {list(shape)} "
+                    "needs " + str(np.dtype(dt).itemsize * int(np.prod(shape)))
+                )
 
     @property
     def names(self) -> list[str]:
@@ -77,7 +105,8 @@ class SafetensorsFile:
         info = self.header[name]
         if info["dtype"] not in _ST_DTYPES:
             raise ValueError(
-                f"tensor {name!r} in {self.path} has unsupported dtype {info['dtype']}"
+                f"tensor {name!r} in {self.path} has unsupported dtype {info['dtype']} "
+                f"(expected one of {sorted(_ST_DTYPES)})"
             )
         if self._mm is None:
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
@@ -93,6 +122,11 @@ def _open_weights(path: str) -> dict[str, SafetensorsFile]:
     if os.path.isfile(index):
         with open(index) as f:
             wmap = json.load(f)["weight_map"]
+        absent = sorted(
+            fn for fn in set(wmap.values()) if not os.path.isfile(os.path.join(path, fn))
+        )
+        if absent:
+            raise ValueError(f"{index} lists shard files that do not exist: {absent}")
         files = {fn: SafetensorsFile(os.path.join(path, fn)) for fn in sorted(set(wmap.values()))}
         out = {}
         for sf in files.values():
@@ -176,8 +210,11 @@ def from_pretrained(path: str, dtype=jnp.float32) -> CausalLM:
             dst_shape = shape if i is None else shape[1:]
             if src.shape != tuple(dst_shape):
                 raise ValueError(
-                    f"tensor {hf!r} has shape {tensors[hf].shape(hf)}, expected "
-                    f"{tuple(dst_shape[::-1]) if tr else tuple(dst_shape)}"
+                    f"tensor {hf!r} in {tensors[hf].path} has shape {tensors[hf].shape(hf)}, "
+                    f"expected {tuple(dst_shape[::-1]) if tr else tuple(dst_shape)} from "
+                    f"{os.path.join(path, 'config.json')} ({cfg.family}: hidden_size="
+                    f"{cfg.hidden_size}, num_heads={cfg.num_heads}, num_kv_heads="
+                    f"{cfg.num_kv_heads}, head_dim={cfg.head_dim}, vocab_size={cfg.vocab_size})"
                 )
             if i is None:
                 host[...] = src.astype(np_dtype)

@@ -9,9 +9,11 @@ Public API (shapes: B batch, T tokens, Hkv KV heads, Hq query heads, D head_dim)
     cache = append(cache, k_t, v_t)                  # [B, Hkv, D]
     out = decode_attention(q, cache)                 # [B, Hq, D]
     k_deq, v_deq = dequantize(cache)                 # [B, L, Hkv, D]
+    check_cache(cache)                               # checkify error on a flagged row
+    save_state("c.safetensors", cache); cache = load_state("c.safetensors")
 """
 
-from oscar_jax import diagnostics
+from oscar_jax import checks, diagnostics, persistence
 from oscar_jax.attention import (
     decode_attention,
     decode_attention_xla,
@@ -30,6 +32,7 @@ from oscar_jax.cache import (
     init_cache,
     prefill,
 )
+from oscar_jax.checks import check_cache, checked
 from oscar_jax.codec import (
     EncodedKeys,
     EncodedValues,
@@ -43,15 +46,19 @@ from oscar_jax.codec import (
 from oscar_jax.config import METHODS, KVQuantConfig, preset
 from oscar_jax.fake_quant import fake_quant_keys, fake_quant_values
 from oscar_jax.hadamard import fwht, hadamard_matrix, rotate, rotation_matrix, unrotate
+from oscar_jax.persistence import load as load_state
+from oscar_jax.persistence import save as save_state
 from oscar_jax.quant import dequantize_groups, pack, quantize_groups, unpack
 
 __all__ = [
     "FLAG_BAD_LENGTH", "FLAG_NONFINITE", "FLAG_OVERFLOW", "METHODS", "EncodedKeys",
     "EncodedValues", "KVCache", "KVQuantConfig", "append", "cache_capacity_nbytes",
-    "cache_nbytes", "decode_attention", "decode_attention_xla", "decode_keys",
+    "cache_nbytes", "check_cache", "checked", "checks", "decode_attention",
+    "decode_attention_xla", "decode_keys",
     "decode_values", "dequantize", "dequantize_groups", "diagnostics", "encode",
     "encode_keys_xla", "encode_values_xla", "fake_quant_keys", "fake_quant_values", "fwht",
-    "hadamard_matrix", "init_cache", "merge_partials", "pack", "prefill", "preset",
+    "hadamard_matrix", "init_cache", "load_state", "merge_partials", "pack", "persistence",
+    "prefill", "preset",
     "quantize_groups", "register_decode_attention", "register_encoder", "rotate",
-    "rotation_matrix", "unpack", "unrotate",
+    "rotation_matrix", "save_state", "unpack", "unrotate",
 ]  # fmt: skip

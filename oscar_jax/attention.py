@@ -20,7 +20,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from oscar_jax import codec, hadamard
-from oscar_jax.cache import KVCache, _residual_tokens, quantized_parts
+from oscar_jax.cache import FLAG_NONFINITE, KVCache, _residual_tokens, quantized_parts
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -148,6 +148,21 @@ def decode_attention(
 
     ``implementation``: "xla" (the pure-JAX reference) or "pallas" (the fused INT2
     flash-decoding kernel from ``pallas_kernels``; interpret mode without a GPU).
+    Rows whose cache has ``FLAG_NONFINITE`` return NaN (``poison_flagged_rows``).
     """
     fn = codec.lookup(_DECODERS, implementation, "decode_attention")
-    return fn(q, cache, softmax_scale=softmax_scale, **options)
+    out = fn(q, cache, softmax_scale=softmax_scale, **options)
+    return poison_flagged_rows(out, cache)
+
+
+def poison_flagged_rows(out: Array, cache: KVCache) -> Array:
+    """NaN for every row whose cache has FLAG_NONFINITE (sticky), the other rows untouched.
+
+    A NaN/Inf that entered a row's cache does not reliably show in the attention
+    output: a NaN key that is flushed is stored with norm 0 (a zero key), an Inf key
+    can give a -inf score and drop its token, and NaN-ignoring reductions can hide
+    the rest, so the row would yield finite, plausible and wrong outputs. The flag
+    is exact, so the output of a flagged row is made NaN, always.
+    """
+    bad = (cache.flags & FLAG_NONFINITE) != 0
+    return jnp.where(bad.reshape((-1,) + (1,) * (out.ndim - 1)), jnp.nan, out).astype(out.dtype)

@@ -24,6 +24,28 @@ Lq is rounded up to a multiple of max(G, 256) tokens, the decode kernel's tile.
 Capacity: an ``append`` to a full row writes nothing, keeps its length and
 sets ``FLAG_OVERFLOW`` in ``flags`` (under ``jit`` nothing can raise). Non-finite
 keys or values set ``FLAG_NONFINITE`` for that row; other rows are untouched.
+
+Bad rows (what a row with NaN/Inf yields). Flags are sticky: they are OR-ed in by
+``prefill`` (which resets them) and ``append`` and never cleared by later appends.
+
+* NaN/Inf in a key or value of row i (a valid token; padding past ``lengths`` is
+  ignored) sets ``FLAG_NONFINITE`` in ``flags[i]``; so does finite input whose
+  encoding overflows float32 (a stored scale, zero or norm that is not finite:
+  magnitudes near 1e37 and above for rotated configs, see ``_nonfinite_encoding``).
+* The bad values are stored as they come while in the full-precision ring; a flush
+  then encodes them with no guarantee: a NaN key gets norm 0 (stored as a zero key),
+  codes of NaN elements are 0, scales/zeros may be NaN, Inf or finite. So
+  ``dequantize`` of a flagged row returns unspecified values (NaN, Inf or finite).
+* ``decode_attention`` (both implementations) returns NaN for every query head of a
+  flagged row, from the step the bad token entered on, until a new ``prefill``
+  (``attention.poison_flagged_rows``): without that, the attention of a bad row can
+  come out finite and plausible (a zeroed key, an Inf key scoring -inf and dropping
+  its token), i.e. garbage that looks like output.
+* No other row is affected: every op is row-independent (no reduction over the
+  batch), so the outputs of the clean rows are bit-identical with and without the
+  poisoned row (``tests/test_reliability.py``).
+* Under ``jit`` nothing raises; ``oscar_jax.checks.check_cache`` turns the flags into
+  a ``checkify`` error naming the row (``oscar_jax.checks.checked``).
 """
 
 from __future__ import annotations
@@ -189,6 +211,20 @@ def _nonfinite_rows(k, v) -> Array:
     return jnp.where(bad, FLAG_NONFINITE, 0).astype(jnp.int32)
 
 
+def _nonfinite_encoding(ek: codec.EncodedKeys, ev: codec.EncodedValues) -> Array:
+    """[B] bool: a row whose stored scales, zeros or norms are not finite.
+
+    Finite input can still overflow float32 inside the encoder (the rotation grows a
+    vector by up to sqrt(D), a group's range max - min can exceed the float32 max):
+    such a row is flagged FLAG_NONFINITE like a row with NaN/Inf input.
+    """
+    bad = None
+    for x in (ek.scale, ek.zero, ek.norm, ev.scale, ev.zero):
+        r = ~jnp.all(jnp.isfinite(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+        bad = r if bad is None else bad | r
+    return bad
+
+
 def _residual_tokens(
     nq: Array, n: Array, slots: int, offset=0, count: int | None = None
 ) -> tuple[Array, Array]:
@@ -263,6 +299,11 @@ def prefill(
                 v_scale=put(empty.v_scale, ev.scale, tok_ok, tq),
                 v_zero=put(empty.v_zero, ev.zero, tok_ok, tq),
             )
+            overflow = _nonfinite_encoding(
+                codec.EncodedKeys(None, *(fields[f] for f in ("k_scale", "k_zero", "k_norm"))),
+                codec.EncodedValues(None, fields["v_scale"], fields["v_zero"]),
+            )
+            flags = flags | jnp.where(overflow, FLAG_NONFINITE, 0).astype(jnp.int32)
     tok, ok = _residual_tokens(nq, n, cache.slots)
     idx = jnp.clip(tok, 0, t - 1)[:, None, :, None]
     okm = ok[:, None, :, None]
@@ -348,10 +389,12 @@ def encode_flush(cache: KVCache, nq: Array, flush: Array, implementation: str, o
     kg, vg = take(cache.k_res, start), take(cache.v_res, start)  # [B, H, G, D]
     ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
     zeros = jnp.zeros_like(kg)
+    overflow = flush & _nonfinite_encoding(ek, ev)
     cleared = dataclasses.replace(
         cache,
         k_res=_set_rows(cache.k_res, zeros, start, flush),
         v_res=_set_rows(cache.v_res, zeros, start, flush),
+        flags=cache.flags | jnp.where(overflow, FLAG_NONFINITE, 0).astype(jnp.int32),
     )
     return cleared, ek, ev
 

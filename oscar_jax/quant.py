@@ -96,6 +96,8 @@ def round_to_dtype(x: Array, dtype) -> Array:
     rule may drop the round trip inside a fused jit program, so codes computed
     from "stored" scales would differ between programs. ``reduce_precision`` is
     kept, so every compilation computes codes from the values actually stored.
+    float16 subnormals are rounded as the cast rounds them (reduce_precision flushes
+    them); bfloat16's lie in float32's subnormal range, which XLA on CPU flushes anyway.
     """
     dtype = jnp.dtype(dtype)
     x = x.astype(jnp.float32)
@@ -103,7 +105,16 @@ def round_to_dtype(x: Array, dtype) -> Array:
         return x
     if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         fi = jnp.finfo(dtype)
-        return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+        out = jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+        if dtype == jnp.dtype(jnp.float16):
+            # reduce_precision flushes float16's subnormals (|x| < 2^-14) to zero, while the
+            # cast that stores the value keeps them: a scale of 1e-5 became 0 and collapsed
+            # its group. Round to the subnormal grid (multiples of 2^-24) instead, exactly
+            # as the cast does (the scaling by 2^24 is exact, round is half to even).
+            step = float(fi.smallest_subnormal)
+            sub = jnp.round(x * (1.0 / step)) * step
+            out = jnp.where(jnp.abs(x) < float(fi.smallest_normal), sub, out)
+        return out
     return x.astype(dtype).astype(jnp.float32)  # fp8 formats: saturating rules of their own
 
 

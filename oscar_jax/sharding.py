@@ -172,7 +172,7 @@ def sharded_decode_attention(
         out_specs=query_spec(ax),
         check_vma=False,
     )
-    return fn(q, cache)
+    return att.poison_flagged_rows(fn(q, cache), cache)  # as decode_attention does
 
 
 def sharded_append(

@@ -172,3 +172,114 @@ def test_tokenizer_is_loaded_when_present(tmp_path):
     ids = m.tokenizer.encode("w3 w200 w7").ids
     assert ids == [3, 200, 7]
     assert m.logits(np.array([ids], np.int32)).shape == (1, 3, 256)
+
+
+# -- damaged checkpoints: errors name the file and the tensor (no torch needed) ---------
+def _numpy_checkpoint(d, sharded=False, **cfg_kw):
+    """A tiny Llama checkpoint written with numpy: config.json + (sharded) safetensors."""
+    from safetensors.numpy import save_file
+
+    from models import layers
+    from models.loading import _expected_names
+
+    _write_config(d, **cfg_kw)
+    cfg = models.load_config(str(d))
+    shapes = layers.param_shapes(cfg)
+    tensors = {}
+    for hf, (key, i, tr) in _expected_names(cfg).items():
+        shape = shapes[key] if i is None else shapes["layers"][key][1:]
+        shape = tuple(shape[::-1]) if tr else tuple(shape)
+        tensors[hf] = np.full(shape, 0.01, np.float32)
+    if not sharded:
+        save_file(tensors, os.path.join(d, "model.safetensors"))
+        return tensors
+    names = sorted(tensors)
+    half = len(names) // 2
+    wmap = {}
+    for fn, part in (("model-00001-of-00002.safetensors", names[:half]),
+                     ("model-00002-of-00002.safetensors", names[half:])):  # fmt: skip
+        save_file({n: tensors[n] for n in part}, os.path.join(d, fn))
+        wmap.update({n: fn for n in part})
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": wmap}, f)
+    return tensors
+
+
+def test_numpy_checkpoint_loads(tmp_path):
+    _numpy_checkpoint(tmp_path, sharded=True)
+    m = models.from_pretrained(tmp_path)
+    assert m.logits(np.array([[1, 2]], np.int32)).shape == (1, 2, 64)
+
+
+@pytest.mark.parametrize("cut", [1, 100, 10_000])
+def test_truncated_shard_names_file_and_tensor(tmp_path, cut):
+    _numpy_checkpoint(tmp_path, sharded=True)
+    shard = os.path.join(tmp_path, "model-00002-of-00002.safetensors")
+    size = os.path.getsize(shard)
+    with open(shard, "r+b") as f:
+        f.truncate(max(0, size - cut))
+    with pytest.raises(ValueError, match="truncated") as e:
+        models.from_pretrained(tmp_path)
+    assert shard in str(e.value)
+    if size - cut > 8 + 100:  # header intact: the first tensor that does not fit is named
+        assert "tensor 'model." in str(e.value)
+
+
+def test_missing_shard_file(tmp_path):
+    _numpy_checkpoint(tmp_path, sharded=True)
+    os.remove(os.path.join(tmp_path, "model-00001-of-00002.safetensors"))
+    with pytest.raises(ValueError, match="model-00001-of-00002.safetensors"):
+        models.from_pretrained(tmp_path)
+
+
+def test_wrong_dtype_names_file_and_tensor(tmp_path):
+    from safetensors.numpy import save_file
+
+    tensors = _numpy_checkpoint(tmp_path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int32)
+    path = os.path.join(tmp_path, "model.safetensors")
+    save_file(tensors, path)
+    with pytest.raises(ValueError, match=r"'model.norm.weight'.*unsupported dtype I32") as e:
+        models.from_pretrained(tmp_path)
+    assert path in str(e.value)
+
+
+def test_wrong_shape_names_file_and_tensor(tmp_path):
+    from safetensors.numpy import save_file
+
+    tensors = _numpy_checkpoint(tmp_path)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 32), np.float32)
+    path = os.path.join(tmp_path, "model.safetensors")
+    save_file(tensors, path)
+    with pytest.raises(
+        ValueError, match=r"'model.layers.0.self_attn.k_proj.weight'.*\(8, 32\)"
+    ) as e:
+        models.from_pretrained(tmp_path)
+    assert path in str(e.value) and "config.json" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(hidden_size=64), r"'model.embed_tokens.weight'.*hidden_size=64"),
+        (dict(num_key_value_heads=2), r"k_proj.weight'.*num_kv_heads=2"),
+        (dict(vocab_size=80), r"'model.embed_tokens.weight'.*vocab_size=80"),
+        (dict(num_hidden_layers=2), r"missing tensors \['model.layers.1."),
+    ],
+)
+def test_config_disagrees_with_weights(tmp_path, kw, match):
+    _numpy_checkpoint(tmp_path)
+    _write_config(tmp_path, **kw)  # the config changes, the weights stay
+    with pytest.raises(ValueError, match=match):
+        models.from_pretrained(tmp_path)
+
+
+def test_corrupted_header(tmp_path):
+    _numpy_checkpoint(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    blob = bytearray(open(path, "rb").read())
+    blob[8] = ord("x")  # the header's opening brace
+    open(path, "wb").write(bytes(blob))
+    with pytest.raises(ValueError, match="corrupted safetensors header") as e:
+        models.from_pretrained(tmp_path)
+    assert path in str(e.value)
