@@ -86,31 +86,28 @@ def rotation_matrix(cfg: KVQuantConfig, d: int) -> np.ndarray:
     return np.eye(d)
 
 
-def rotate(x: Float[Array, "... d"], cfg: KVQuantConfig) -> Float[Array, "... d"]:
-    """Apply the config's rotation R to the last axis (returns x's dtype, computed in f32)."""
+def _apply(x: Array, cfg: KVQuantConfig, inverse: bool) -> Array:
+    """R x (or R^T x when inverse) over the last axis, in f32, returned in x's dtype."""
     d = x.shape[-1]
     if cfg.rotation == "none":
         return x
-    if cfg.rotation == "hadamard":
+    if cfg.rotation == "hadamard":  # symmetric and its own inverse
         return fwht(x)
-    if cfg.rotation == "randomized_hadamard":
+    xf = x.astype(jnp.float32)
+    if cfg.rotation == "randomized_hadamard":  # R = H diag(s), R^T = diag(s) H
         signs = jnp.asarray(_random_signs(d, cfg.rotation_seed), jnp.float32)
-        return fwht(x.astype(jnp.float32) * signs).astype(x.dtype)
+        y = fwht(xf) * signs if inverse else fwht(xf * signs)
+        return y.astype(x.dtype)
     r = jnp.asarray(rotation_matrix(cfg, d), jnp.float32)
-    y = jnp.einsum("...d,ed->...e", x.astype(jnp.float32), r, precision=jax.lax.Precision.HIGHEST)
-    return y.astype(x.dtype)
+    spec = "...e,ed->...d" if inverse else "...d,ed->...e"
+    return jnp.einsum(spec, xf, r, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+
+
+def rotate(x: Float[Array, "... d"], cfg: KVQuantConfig) -> Float[Array, "... d"]:
+    """Apply the config's rotation R to the last axis (returns x's dtype, computed in f32)."""
+    return _apply(x, cfg, inverse=False)
 
 
 def unrotate(y: Float[Array, "... d"], cfg: KVQuantConfig) -> Float[Array, "... d"]:
     """Apply R^T (the inverse rotation) to the last axis."""
-    d = y.shape[-1]
-    if cfg.rotation == "none":
-        return y
-    if cfg.rotation == "hadamard":
-        return fwht(y)
-    if cfg.rotation == "randomized_hadamard":
-        signs = jnp.asarray(_random_signs(d, cfg.rotation_seed), jnp.float32)
-        return (fwht(y.astype(jnp.float32)) * signs).astype(y.dtype)
-    r = jnp.asarray(rotation_matrix(cfg, d), jnp.float32)
-    x = jnp.einsum("...e,ed->...d", y.astype(jnp.float32), r, precision=jax.lax.Precision.HIGHEST)
-    return x.astype(y.dtype)
+    return _apply(y, cfg, inverse=True)

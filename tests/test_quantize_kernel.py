@@ -29,6 +29,7 @@ from tolerances import QUANT_CODES_OFF_BY_ONE, QUANT_PARAM_ULPS
 
 import oscar_jax as oj
 import pallas_kernels  # noqa: F401  (registers implementation="pallas")
+from benchmarks.bench_quantize import ulp_dist
 from pallas_kernels import quantize as pq
 
 # name: (preset, preset overrides, D, T, input dtype, kernel options)
@@ -99,18 +100,6 @@ def head_major_kv(seed, b, t, h, d, dtype):
     return jnp.swapaxes(k, 1, 2).astype(dtype), jnp.swapaxes(v, 1, 2).astype(dtype)
 
 
-def ulps(a, b) -> int:
-    a, b = np.asarray(a), np.asarray(b)
-    nbits = a.dtype.itemsize * 8
-    it = {16: np.int16, 32: np.int32}[nbits]
-
-    def key(x):
-        i = x.view(it).astype(np.int64)
-        return np.where(i < 0, -(i & ((1 << (nbits - 1)) - 1)), i)
-
-    return int(np.max(np.abs(key(a) - key(b)))) if a.size else 0
-
-
 class TestQuantizeKernelGPU:
     INTERPRET = False
     MAX_CODE_MISMATCH = QUANT_CODES_OFF_BY_ONE["gpu"]
@@ -140,7 +129,7 @@ class TestQuantizeKernelGPU:
             g, w = np.asarray(got), np.asarray(want)
             assert np.max(np.abs(g - w)) <= 2e-6 * max(float(np.max(np.abs(w))), 1e-30)
         else:
-            assert ulps(got, want) <= self.MAX_ULP
+            assert ulp_dist(got, want) <= self.MAX_ULP
 
     def check(self, got, ref, cfg):
         (ek, ev), (rk, rv) = got, ref
