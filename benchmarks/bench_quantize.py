@@ -134,29 +134,25 @@ def run_checks(log, limit=None):
 def chain_time(enc, args, n1=2, n2=12, calls=5):
     """Device seconds per encode: slope between chains of n1 and n2 encodes in one jit."""
 
-    def make(n):
-        @jax.jit
-        def run(k, v):
-            out = enc(k, v)
+    @jax.jit
+    def run(k, v, n):  # n traced: one compile serves both chain lengths
+        out = enc(k, v)
 
-            def body(i, c):
-                k, v, out = c
-                bump = out[0].codes[0, 0, 0, 0].astype(jnp.float32) * 1e-30
-                k = k.at[0, 0, 0, 0].add(bump.astype(k.dtype))
-                return k, v, enc(k, v)
+        def body(i, c):
+            k, v, out = c
+            bump = out[0].codes[0, 0, 0, 0].astype(jnp.float32) * 1e-30
+            k = k.at[0, 0, 0, 0].add(bump.astype(k.dtype))
+            return k, v, enc(k, v)
 
-            return jax.lax.fori_loop(0, n, body, (k, v, out))[2]
-
-        return run
+        return jax.lax.fori_loop(0, n, body, (k, v, out))[2]
 
     meds = []
     for n in (n1, n2):
-        f = make(n)
-        jax.block_until_ready(f(*args))
+        jax.block_until_ready(run(*args, n))
         ts = []
         for _ in range(calls):
             t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
+            jax.block_until_ready(run(*args, n))
             ts.append(time.perf_counter() - t0)
         meds.append(statistics.median(ts))
     return (meds[1] - meds[0]) / (n2 - n1)
@@ -194,6 +190,9 @@ VARIANTS = {  # name -> encode options (None: the XLA path)
     "pallas gpb1 w2": dict(groups_per_block=1, num_warps=2),
     "pallas gpb1 w1": dict(groups_per_block=1, num_warps=1),
     "pallas gpb1 w2 fastdiv": dict(groups_per_block=1, num_warps=2, exact_division=False),
+    "pallas gpb4 w8": dict(groups_per_block=4, num_warps=8),
+    "pallas gpb8 w8": dict(groups_per_block=8, num_warps=8),
+    "pallas gpb2 w4 s2": dict(groups_per_block=2, num_warps=4, num_stages=2),
 }
 
 

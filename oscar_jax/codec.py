@@ -6,7 +6,8 @@ T tokens (a multiple of G), D head_dim, Db = D * bits / 8 packed bytes,
 G key group (tokens), Gv value group (channels).
 
 Keys (``encode_keys``): rotate (``rotate_keys``), divide by the stored l2 norm
-(``token_scaling``; a zero-norm key stays zero and stores norm 0, so no NaN),
+(``token_scaling``; a zero-norm key stays zero and stores norm 0, so no NaN; the
+division is a multiply by ``quant.prescaled_reciprocal`` of the norm, as in the kernel),
 quantize per channel over G consecutive tokens, pack along channels.
 Values (``encode_values``): rotate (``rotate_values``), quantize per token over
 Gv consecutive channels, pack along channels.
@@ -50,7 +51,8 @@ def token_l2_norm(x: Float[Array, "B H T D"], granularity: str) -> Float[Array, 
         axes = (-2, -1)
     m = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
     m_safe = jnp.where(m > 0, m, 1.0)
-    n = m_safe * jnp.sqrt(jnp.sum(jnp.square(xf / m_safe), axis=axes, keepdims=True))
+    p, r = quant.prescaled_reciprocal(m_safe)
+    n = m_safe * jnp.sqrt(jnp.sum(jnp.square((xf * p) * r), axis=axes, keepdims=True))
     n = jnp.where(m > 0, n, 0.0)
     return n.reshape(n.shape[:3])
 
@@ -65,8 +67,8 @@ def encode_keys_xla(k: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedKe
     if cfg.token_scaling:
         n32 = quant.round_to_dtype(token_l2_norm(x, cfg.norm_granularity), cfg.norm_jnp_dtype)
         norm = n32.astype(cfg.norm_jnp_dtype)
-        n32 = n32[..., None]  # [B, Hn, T, 1]: divide by the stored norm
-        x = x / jnp.where(n32 > 0, n32, 1.0)
+        p, r = quant.prescaled_reciprocal(n32[..., None])  # [B, Hn, T, 1]: the stored norm
+        x = (x * p) * r
     else:
         norm = jnp.ones((b, hn, t), cfg.norm_jnp_dtype)
     codes, scale, zero = quant.quantize_groups(x, cfg.bits, cfg.group_size, 2, cfg.scale_dtype)

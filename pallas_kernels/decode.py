@@ -17,17 +17,22 @@ Values fold their per-token scale into the softmax weights, per value group::
 The MMA operands are float16 (codes are exact; the normalised keys lie in
 [-1, 1]; the scaled query and p * vs must stay below 65504); accumulation, softmax
 and the partials are float32. Each split writes (acc, m, l). By default the
-residual ring is the launch's last split (float32 IEEE dots against the plain query,
-its acc rotated into the value basis by an in-kernel [D, D] product); XLA merges
-the splits and un-rotates the values once. With ``fuse_ring=False`` the ring goes
+residual ring is the launch's last split (the plain f32 query split into two 16-bit
+halves, so two tensor-core dots give ~f32 accuracy; its acc stays in the original
+basis); XLA merges the splits, un-rotating the quantized splits' weighted sum once.
+(An in-kernel [D, D] rotation and f32 FMA dots in the ring cost 2.2 KB of register
+spills per thread in the whole kernel: ``ptxas -v`` of the lowered IR.) With
+``fuse_ring=False`` the ring goes
 through ``oscar_jax.attention.residual_partial`` instead. The kernel assumes an
 unsharded cache (ring slots ``cache.slots``, quantized positions from 0).
 
 Heuristic (``choose_config``): ``T = 64`` tokens per block for the INT kernel (a
 multiple of G; 64 measured faster than 128 at 1 x 128K on the H200, see
 benchmarks/results/decode_notes.md) and 128
-for the BF16 kernel; splits so that ``B * H * splits`` is about ``4 * 132`` programs
-(H200 SMs), at least 4 blocks per split. The residual ring is one extra split of
+for the BF16 kernel; splits so that ``B * H * splits`` is about ``8 * 132`` programs
+(H200 SMs; 16 blocks per split measured 0.267 ms against 0.309 ms for 32 at
+1 x 128K), at least 4 blocks per split; 3 pipeline stages for the INT kernel (0.250 ms
+against 0.309 ms for 2), 2 for the BF16 kernel. The residual ring is one extra split of
 the same launch (``fuse_ring``). Every field can be overridden by keyword.
 """
 
@@ -47,7 +52,7 @@ from oscar_jax.attention import check_query, merge_partials, residual_partial
 from pallas_kernels.decode_int import int_kernel
 from pallas_kernels.decode_pipelined import GP
 
-TARGET_PROGRAMS = 4 * 132  # about 4 programs per H200 SM
+TARGET_PROGRAMS = 8 * 132  # about 8 programs per H200 SM (4 resident at 128 registers)
 
 
 def _triton_params(num_warps: int, num_stages: int):
@@ -75,8 +80,9 @@ class DecodeConfig:
       group G for quantized caches). blocks_per_split: consecutive blocks one
       program walks. num_warps / num_stages: Triton launch parameters.
     fuse_ring: the residual ring is the last split of the INT launch (else XLA).
-    pipeline: the software-pipelined INT body (``decode_pipelined``): 0.282 ms against
-      0.348 ms for the plain body at 1 x 128K on the H200 (2026-11-29), so the default.
+    pipeline: the register-double-buffered INT body (``decode_pipelined``). It was the
+      faster body while both spilled (0.282 vs 0.348 ms at 1 x 128K); the [GP, T] body
+      needs 128 registers against its 255 (ptxas -v), so it is off by default.
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -86,7 +92,7 @@ class DecodeConfig:
     num_stages: int = 2
     interpret: bool = False
     fuse_ring: bool = True
-    pipeline: bool = True
+    pipeline: bool = False
     ablate: str = ""  # benchmark-only: "no_v", "no_kdeq" or "no_dot" (wrong results)
 
     def __post_init__(self):
@@ -121,7 +127,12 @@ def choose_config(
     nblk = max(1, -(-tokens // t))
     want_splits = max(1, -(-TARGET_PROGRAMS // (batch * heads)))
     bps = max(min(4, nblk), -(-nblk // want_splits))
-    kw = dict(block_tokens=t, blocks_per_split=bps, interpret=not on_gpu())
+    kw = dict(
+        block_tokens=t,
+        blocks_per_split=bps,
+        num_stages=3 if group > 1 else 2,
+        interpret=not on_gpu(),
+    )
     kw.update(overrides)
     return DecodeConfig(**kw)
 
@@ -160,7 +171,6 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
     nq = cache.num_quantized().astype(jnp.int32)
     kc = cache.k_codes.reshape(b, h, lq // g, g, db)
     ring = ring_block(cache.slots) if q_plain is not None else 0
-    rotate = bool(ring) and kcfg.rotate_values
     kern = functools.partial(
         int_kernel,
         bits=bits,
@@ -171,7 +181,6 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         d=d,
         ablate=cfg.ablate,
         ring=ring,
-        rotate=rotate,
         pipeline=cfg.pipeline,
     )
 
@@ -211,9 +220,6 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
             full(cache.slots, d),
         ]
         args += [cache.lengths.astype(jnp.int32), q_plain, cache.k_res, cache.v_res]
-        if rotate:
-            in_specs.append(pl.BlockSpec((d, d), lambda i, j, s: (0, 0)))
-            args.append(hadamard.rotate(jnp.eye(d, dtype=jnp.float32), kcfg))
     out_specs = [
         pl.BlockSpec((None, None, None, GP, d), lambda i, j, s: (i, j, s, 0, 0)),
         pl.BlockSpec((None, None, None, GP), lambda i, j, s: (i, j, s, 0)),
@@ -240,11 +246,20 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
     )(*args)
 
 
-def merge_splits(acc, m, lsum):
-    """Merge the split axis (2) of kernel partials: -> acc [B,H,GP,D], m, l (m=-inf if empty)."""
+def merge_splits(acc, m, lsum, last_basis=None):
+    """Merge the split axis (2) of kernel partials: -> acc [B,H,GP,D], m, l (m=-inf if empty).
+
+    ``last_basis(x)`` maps the weighted sum of all splits but the last into the last
+    split's basis (the fused ring's acc is in the original basis, the quantized
+    splits' in the rotated one) before adding the last split.
+    """
     mt = jnp.max(m, axis=2)
     wgt = jnp.where(lsum > 0, jnp.exp(m - mt[:, :, None]), 0.0)
-    acc = jnp.sum(acc * wgt[..., None], axis=2)
+    wacc = acc * wgt[..., None]
+    if last_basis is None:
+        acc = jnp.sum(wacc, axis=2)
+    else:
+        acc = last_basis(jnp.sum(wacc[:, :, :-1], axis=2)) + wacc[:, :, -1]
     lt = jnp.sum(lsum * wgt, axis=2)
     return acc, jnp.where(lt > 0, mt, -jnp.inf), lt
 
@@ -279,15 +294,15 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
     if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
         q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
+        unrot = (lambda x: hadamard.unrotate(x, kcfg)) if kcfg.rotate_values else None
         acc, m, lsum = merge_splits(
             *quantized_partials(
                 pad_query(q_rot * scale), cache, cfg, pad_query(qg * scale, jnp.float32)
-            )
+            ),
+            last_basis=unrot,
         )
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
         out = out[:, :, :g]
-        if kcfg.rotate_values:
-            out = hadamard.unrotate(out, kcfg)
         return out.reshape(b, hq, d).astype(q.dtype)
     parts = [residual_partial(qg, cache, scale)]
     if cache.quant_capacity:

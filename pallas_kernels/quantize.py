@@ -18,8 +18,10 @@ into three bf16 parts, so the rotation keeps f32 accuracy. ``random_orthogonal``
 uses a dense f32 matrix and an IEEE f32 dot.
 
 Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm,
-division by the *stored* norm, min/max per group, codes from the *stored* (rounded)
-scale/zero times the inverse scale, round half to even, constant group -> code 0.
+division by the *stored* norm as a multiply by its ``quant.prescaled_reciprocal``
+(one IEEE division per token, as the reference does), min/max per group, codes from
+the *stored* (rounded) scale/zero times the inverse scale, round half to even,
+constant group -> code 0.
 With ``exact_division=True`` (default) divisions are IEEE round-to-nearest
 (``div.rn.f32``; Triton's ``/`` is approximate); ``exact_division=False`` multiplies
 by reciprocals instead (faster; norms and scales may differ by an ulp, codes only at
@@ -44,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import oscar_jax
-from oscar_jax import codec, hadamard
+from oscar_jax import codec, hadamard, quant
 from oscar_jax.config import KVQuantConfig
 
 
@@ -58,7 +60,7 @@ class QuantizeTuning:
     exact_division: IEEE-rounded divisions as in XLA (True) or reciprocal multiplies.
     """
 
-    groups_per_block: int = 2
+    groups_per_block: int = 1
     num_warps: int = 2
     num_stages: int = 1
     exact_division: bool = True
@@ -223,17 +225,27 @@ def _row_max_abs(ys):
     return m
 
 
+def _recip(d, spec: _Spec):
+    """quant.prescaled_reciprocal in the kernel: (p, r) with x / d ~= (x * p) * r."""
+    p = jnp.where(jnp.abs(d) < quant.TINY, jnp.float32(2.0**100), jnp.float32(1.0))
+    dp = d * p
+    nz = dp != 0
+    return p, jnp.where(nz, _div(jnp.ones_like(dp), jnp.where(nz, dp, 1.0), spec), 0.0)
+
+
 def _row_sumsq(ys, m_safe, spec: _Spec):
     s = None
+    p, r = _recip(m_safe, spec)
     for y in ys:
-        z = _div(y, m_safe[:, None], spec)
+        z = (y * p[:, None]) * r[:, None]
         part = jnp.sum(z * z, axis=1)
         s = part if s is None else s + part
     return s
 
 
 def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):
-    """Quantize one head's G x D key tile (divided by den [G] if given) and store it."""
+    """Quantize one head's G x D key tile (divided by the norms, den = (p, r) [G], if
+    given) and store it."""
     cfg, w = spec.cfg, spec.w
     kc_ref, ks_ref, kz_ref = outs
     if ys is None:
@@ -243,7 +255,7 @@ def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):
     grp = t0 // cfg.group_size
     for k, y in enumerate(ys):
         if den is not None:
-            y = _div(y, den[:, None], spec)
+            y = (y * den[0][:, None]) * den[1][:, None]
         scale, zero, q = _quantize(y, jnp.min(y, axis=0), jnp.max(y, axis=0), spec)
         ks_ref[b, h, grp, pl.ds(k * w, w)] = scale
         kz_ref[b, h, grp, pl.ds(k * w, w)] = zero
@@ -288,8 +300,7 @@ def _kernel(*refs, spec: _Spec):
 
     def stored_den(m, s):
         n = jnp.where(m > 0, jnp.where(m > 0, m, 1.0) * jnp.sqrt(s), 0.0).astype(norm_dt)
-        n32 = n.astype(jnp.float32)
-        return n, jnp.where(n32 > 0, n32, 1.0)
+        return n, _recip(n.astype(jnp.float32), spec)
 
     def one_group(i):
         t0 = (blk * gpb + i) * g
@@ -375,7 +386,7 @@ def _encode_pallas(k, v, spec: _Spec):
 
 
 def encode(
-    k, v, cfg: KVQuantConfig, *, interpret: bool | None = None, groups_per_block: int = 2,
+    k, v, cfg: KVQuantConfig, *, interpret: bool | None = None, groups_per_block: int = 1,
     num_warps: int = 2, num_stages: int = 1, exact_division: bool = True,
 ) -> tuple[codec.EncodedKeys, codec.EncodedValues]:  # fmt: skip
     """Fused encoder of head-major k, v [B, H, T, D] (T a multiple of G); codec's layout.
