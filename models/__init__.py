@@ -20,10 +20,12 @@ from models.generate import (
 from models.loading import from_pretrained, load_config
 from models.memory import abstract_caches, abstract_nbytes, format_table, memory_table
 from models.model import CausalLM, abstract_model, fold_value_rotation
+from models.stopping import STOP_REASONS, describe_stops
 
 __all__ = [
     "CausalLM", "ModelConfig", "abstract_caches", "abstract_model", "abstract_nbytes",
     "bucket_length", "decode_step", "fold_value_rotation", "format_table", "from_hf_config",
     "from_pretrained", "generate", "generate_stepwise", "llama31_8b", "load_config",
-    "memory_table", "prefill", "qwen3_8b", "rope_inv_freq", "trace_count",
+    "memory_table", "prefill", "qwen3_8b", "rope_inv_freq", "trace_count", "STOP_REASONS",
+    "describe_stops",
 ]  # fmt: skip

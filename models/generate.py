@@ -4,9 +4,15 @@ One ``jax.jit`` covers the whole call: the prompt (right-padded to a length
 bucket) runs through the layers with full-precision causal attention; its
 post-RoPE keys and (rotation-folded) values fill one cache per layer, stacked
 on a leading layer axis (``jax.vmap`` of ``init_cache`` + ``prefill``); then a
-``lax.scan`` over the new tokens carries (cache, last token, PRNG key, done
-flags) and per step runs every layer with ``lax.scan`` over (layer params,
+``lax.scan`` over the new tokens carries (cache, last token, PRNG key, per-row
+stop state) and per step runs every layer with ``lax.scan`` over (layer params,
 layer cache): ``append`` the token's K/V, ``decode_attention`` of its query.
+
+Stopping: a row stops at a stop token, or as soon as its caches are flagged
+(``FLAG_*`` of ``oscar_jax.cache``, OR-ed over layers) or its logits are not
+finite: the token sampled from such logits is replaced by the pad id, and so is
+every later one. ``STOP_*`` (``info["stop_reason"]``, ``models.stopping``) says why;
+``FLAG_STOP`` maps the cache flags to reasons. Nothing raises under ``jit``.
 
 With ``mesh=`` (a ``jax.sharding.Mesh`` with axes data / model / sequence) the
 same program runs sharded in the layout of ``models.sharding``: params and
@@ -33,10 +39,20 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import oscar_jax as oj
-from models import layers
+from models import layers, stopping
 from models import sharding as msh
 from models.config import ModelConfig
 from models.model import CausalLM
+from models.stopping import (  # noqa: F401  (re-exported: generate's info["stop_reason"])
+    FLAG_STOP,
+    STOP_BAD_LENGTH,
+    STOP_CAPACITY,
+    STOP_NONE,
+    STOP_NONFINITE,
+    STOP_REASONS,
+    STOP_TOKEN,
+    describe_stops,
+)
 from oscar_jax import sharding as osh
 
 _TRACES: collections.Counter = collections.Counter()
@@ -143,17 +159,14 @@ def _sample(st: Static, logits, key, temperature, top_p):
     return jax.random.categorical(key, lg, axis=-1).astype(jnp.int32)
 
 
-def _is_stop(st: Static, tok):
-    if not st.stop_tokens:
-        return jnp.zeros(tok.shape, bool)
-    return jnp.isin(tok, jnp.asarray(st.stop_tokens, jnp.int32))
+def _layer_flags(caches):
+    return jnp.bitwise_or.reduce(caches.flags, axis=0)  # [L, B] -> [B]
 
 
-def _next(st: Static, logits, key, done, temperature, top_p):
-    """Sample, replace done rows' token by the pad id, update done."""
+def _next(st: Static, logits, key, s: stopping.StopState, flags, temperature, top_p):
+    """Sample, stop flagged rows, replace stopped rows' token by the pad id."""
     tok = _sample(st, logits, key, temperature, top_p)
-    tok = jnp.where(done, st.pad_id, tok)
-    return tok, done | _is_stop(st, tok)
+    return stopping.advance(tok, flags, logits, s, pad_id=st.pad_id, stop_tokens=st.stop_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -161,23 +174,28 @@ def _generate_jit(st: Static, n_new: int, params, ids, lengths, key, temperature
     _TRACES["generate"] += 1
     logits, caches = _prefill(st, params, ids, lengths)
     key, sk = jax.random.split(key)
-    tok0, done0 = _next(st, logits, sk, jnp.zeros(ids.shape[0], bool), temperature, top_p)
+    s0 = stopping.stop_init(ids.shape[0])
+    tok0, s0 = _next(st, logits, sk, s0, _layer_flags(caches), temperature, top_p)
 
     def step(carry, i):
-        caches, tok, key, done = carry
+        caches, tok, key, s = carry
         logits, caches = _decode(st, params, caches, tok, lengths + i)
         key, sk = jax.random.split(key)
-        nxt, done = _next(st, logits, sk, done, temperature, top_p)
-        nxt, done = (msh.constrain(a, st.mesh, P(st.axes.data)) for a in (nxt, done))
-        return (caches, nxt, key, done), nxt
+        nxt, s = _next(st, logits, sk, s, _layer_flags(caches), temperature, top_p)
+        nxt, s = jax.tree_util.tree_map(
+            lambda a: msh.constrain(a, st.mesh, P(st.axes.data)), (nxt, s)
+        )
+        return (caches, nxt, key, s), nxt
 
-    carry = (caches, tok0, key, done0)
-    (caches, _, _, done), toks = jax.lax.scan(step, carry, jnp.arange(n_new - 1, dtype=jnp.int32))
+    carry = (caches, tok0, key, s0)
+    (caches, _, _, s), toks = jax.lax.scan(step, carry, jnp.arange(n_new - 1, dtype=jnp.int32))
     out = jnp.concatenate([tok0[:, None], toks.T], axis=1)
     info = dict(
-        flags=jnp.bitwise_or.reduce(caches.flags, axis=0),
+        flags=_layer_flags(caches),
         cache_lengths=caches.lengths[0],
-        done=done,
+        done=s.done,
+        stop_reason=s.reason,
+        num_tokens=s.count,
     )
     return out, info
 
@@ -328,7 +346,18 @@ def generate(
     prompt bucket + max_new_tokens). ``cache_dtype`` defaults to the model's dtype.
     ``implementation`` picks ``oj.decode_attention``'s ("xla" or "pallas"),
     ``encode_implementation`` the quantizer of ``oj.prefill`` / ``oj.append``.
-    info: ``flags`` [B] (OR over layers of ``oj.FLAG_*``), ``cache_lengths`` [B], ``done`` [B].
+    info [B] each: ``stop_reason`` (``STOP_*``: 0 ran to max_new_tokens, 1 stop token,
+    2 cache full, 3 non-finite K/V or logits, 4 clipped length; the first reason wins),
+    ``num_tokens`` (tokens before the pads: ``out[i, num_tokens[i]:]`` are all
+    ``pad_token_id``; a stop token counts, a token whose K/V overflowed the cache
+    counts, the token sampled from flagged caches does not), ``done``, ``flags``
+    (``oj.FLAG_*`` OR-ed over layers at the end: a row that stopped keeps being fed pad
+    ids, so it can collect flags after its stop; ``stop_reason`` is the cause) and
+    ``cache_lengths``. A row stops, i.e. emits pad ids only, from the step its caches
+    get a flag: ``FLAG_OVERFLOW`` (``max_len`` reached: the next logits would lack the
+    dropped token), ``FLAG_NONFINITE`` or NaN/Inf logits (the row's attention is NaN,
+    ``oscar_jax.attention.poison_flagged_rows``); the other rows go on unaffected.
+    ``describe_stops(info)`` spells it out on the host.
     ``mesh``: run sharded on a ``jax.sharding.Mesh`` with axes ``mesh_axes`` (default
     ("data", "model", "sequence"); layout and requirements in ``models.sharding``);
     the tokens are the same as unsharded (logits equal up to float summation order).
@@ -364,20 +393,26 @@ def decode_step(p: Prepared, caches, tok, pos):
 
 
 def generate_stepwise(m: CausalLM, input_ids, max_new_tokens: int, kv=None, lengths=None,
-                      stop_tokens=None, **kw) -> np.ndarray:  # fmt: skip
-    """Greedy generation with a Python loop over jitted steps (a reference for the scan)."""
+                      stop_tokens=None, return_info: bool = False, **kw):  # fmt: skip
+    """Greedy generation with a Python loop over jitted steps (a reference for the scan).
+
+    -> tokens [B, N] numpy (and info: stop_reason, num_tokens, done, flags, as generate).
+    """
     kv = oj.preset("oscar", bits=2) if kv is None else kv
     logits, caches, p = prefill(m, input_ids, kv, max_new_tokens=max_new_tokens,
                                 lengths=lengths, stop_tokens=stop_tokens, **kw)  # fmt: skip
-    st = p.st
-    done = np.zeros(p.ids.shape[0], bool)
+    s = stopping.stop_init(p.ids.shape[0])
     out = []
-    tok = np.asarray(jnp.argmax(logits, -1), np.int32)
     for i in range(max_new_tokens):
         if i:
             logits, caches = decode_step(p, caches, out[-1], np.asarray(p.lengths) + i - 1)
-            tok = np.asarray(jnp.argmax(logits, -1), np.int32)
-        tok = np.where(done, st.pad_id, tok).astype(np.int32)
-        done = done | np.isin(tok, st.stop_tokens)
-        out.append(tok)
-    return np.stack(out, axis=1)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        tok, s = stopping.advance(tok, oj.checks.row_flags(caches), logits, s,
+                                  pad_id=p.st.pad_id, stop_tokens=p.st.stop_tokens)  # fmt: skip
+        out.append(np.asarray(tok))
+    toks = np.stack(out, axis=1)
+    if not return_info:
+        return toks
+    info = dict(stop_reason=s.reason, num_tokens=s.count, done=s.done,
+                flags=oj.checks.row_flags(caches))  # fmt: skip
+    return toks, {k: np.asarray(v) for k, v in info.items()}

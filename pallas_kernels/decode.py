@@ -49,8 +49,7 @@ from jax.experimental import pallas as pl
 import oscar_jax
 from oscar_jax import hadamard
 from oscar_jax.attention import check_query, merge_partials, residual_partial
-from pallas_kernels.decode_int import int_kernel
-from pallas_kernels.decode_pipelined import GP
+from pallas_kernels.decode_int import GP, int_kernel
 
 TARGET_PROGRAMS = 8 * 132  # about 8 programs per H200 SM (4 resident at 128 registers)
 
@@ -80,9 +79,6 @@ class DecodeConfig:
       group G for quantized caches). blocks_per_split: consecutive blocks one
       program walks. num_warps / num_stages: Triton launch parameters.
     fuse_ring: the residual ring is the last split of the INT launch (else XLA).
-    pipeline: the register-double-buffered INT body (``decode_pipelined``). It was the
-      faster body while both spilled (0.282 vs 0.348 ms at 1 x 128K); the [GP, T] body
-      needs 128 registers against its 255 (ptxas -v), so it is off by default.
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -92,7 +88,6 @@ class DecodeConfig:
     num_stages: int = 2
     interpret: bool = False
     fuse_ring: bool = True
-    pipeline: bool = False
     ablate: str = ""  # benchmark-only: "no_v", "no_kdeq" or "no_dot" (wrong results)
 
     def __post_init__(self):
@@ -106,7 +101,7 @@ class DecodeConfig:
             raise ValueError(f"num_warps={self.num_warps} must be a power of two")
         if self.ablate not in ("", "no_v", "no_kdeq", "no_dot"):
             raise ValueError(f"ablate={self.ablate!r} must be '', 'no_v', 'no_kdeq' or 'no_dot'")
-        for name in ("fuse_ring", "pipeline"):
+        for name in ("fuse_ring",):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.interpret, bool):
@@ -181,7 +176,6 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         d=d,
         ablate=cfg.ablate,
         ring=ring,
-        pipeline=cfg.pipeline,
     )
 
     def full(*shape):

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.decode import DecodeConfig, _triton_params, merge_splits, pad_query
-from pallas_kernels.decode_pipelined import GP, NEG
+from pallas_kernels.decode_int import GP, NEG
 
 
 def _load(ref, t0, t, limit, interpret):

@@ -1,8 +1,14 @@
 """Kernel bodies of the INT decode kernel (see ``pallas_kernels.decode`` for the algebra).
 
 ``int_kernel`` is the Pallas kernel: grid (B, H, splits [+1]); the quantized splits run
-``_int_quant_part`` (or the software-pipelined ``decode_pipelined`` body) and, when the
-ring is fused, the last split runs ``_ring_part`` on the full-precision residual ring.
+``_int_quant_part`` and, when the ring is fused, the last split runs ``_ring_part`` on
+the full-precision residual ring.
+
+Bodies measured and dropped (H200, 1 x 128K, benchmarks/results/decode_notes.md): a
+register double buffer of the next block's tiles (255 registers, 0.356 ms against
+0.309 ms for this body at equal launch settings) and one [T, D] tile per operand
+unpacked by a broadcast shift (one key and one value dot per block, 0.302 ms against
+0.236 ms).
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode_pipelined import GP, NEG, int_quant_part_pipelined
+GP = 16  # MMA rows: the GQA query group is padded to this
+NEG = -1e30  # finite 'minus infinity' of the online softmax
 
 
 def _split_dot(x, y, dims, half):
@@ -65,9 +72,9 @@ def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, 
     l_ref[...] = lsum
 
 
-def int_kernel(*refs, ring, pipeline, **kw):
+def int_kernel(*refs, ring, **kw):
     """Grid (B, H, splits [+1 for the ring]): the last split handles the ring when fused."""
-    quant_part = int_quant_part_pipelined if pipeline else _int_quant_part
+    quant_part = _int_quant_part
     if not ring:
         return quant_part(*refs, s_id=pl.program_id(2), **kw)
     nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_ref, vs_ref, vz_ref = refs[:9]
@@ -126,11 +133,13 @@ def _int_quant_part(
     """Scores as [GP, T] (query rows = MMA rows), so p feeds the value dot from registers.
 
     With the query heads as the M side of both dots (as in flash attention), p never
-    goes through shared memory, and the per-token value scale is a [1, T] row.
+    goes through shared memory, and the per-token value scale is a [1, T] row. The
+    value dot takes bfloat16 operands (p * vs and the exact codes): float16 overflowed
+    for value scales above 65504 and lost precision below its normal range (6e-5).
     Measured offline (ptxas -v of the lowered IR, 4 warps, T = 64): 80 registers with
     the value path removed, 176 for the [T, GP] formulation with it.
     """
-    f32, f16 = jnp.float32, jnp.float16
+    f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
     c = 8 // bits
     p_w = d // c  # channels per plane = bytes per token
     w = min(p_w, gv)  # channels per value chunk (one value group)
@@ -177,8 +186,8 @@ def _int_quant_part(
             for i in range(c):
                 k = i * nchunk + j
                 vs = vs_ref[pl.ds(t0, t), (i * p_w + j * w) // gv].astype(f32)  # [T]
-                wt = (p * vs[None, :]).astype(f16)  # [GP, T]
-                code = ((vb >> (bits * i)) & mask).astype(f16)
+                wt = (p * vs[None, :]).astype(bf16)  # [GP, T]
+                code = ((vb >> (bits * i)) & mask).astype(bf16)
                 pv = jax.lax.dot_general(wt, code, nn, preferred_element_type=f32)  # [GP, W]
                 new_accs[k] = accs[k] * corr[:, None] + pv
         new_zs = []

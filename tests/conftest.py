@@ -15,6 +15,27 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+# Hypothesis profiles (tests/test_fuzz.py): "ci" (default) is derandomized with no
+# shrinking and each property's own small example count, so CI time stays bounded;
+# "long" (OSCAR_HYPOTHESIS_PROFILE=long) multiplies the counts (test_fuzz.SCALE) and
+# shrinks failures. Both derandomized: a run is reproduced by its command.
+try:
+    from hypothesis import HealthCheck, Phase, settings
+except ImportError:  # hypothesis is a test extra; only test_fuzz needs it
+    settings = None
+if settings is not None:
+    _common = dict(
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    settings.register_profile("ci", phases=(Phase.explicit, Phase.generate), **_common)
+    settings.register_profile(
+        "long", phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True, **_common
+    )
+    settings.load_profile(os.environ.get("OSCAR_HYPOTHESIS_PROFILE", "ci"))
+
 
 def gpu_available() -> bool:
     try:

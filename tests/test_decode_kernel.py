@@ -54,11 +54,11 @@ CASES = {
     ),
     "int4_d64_gqa1": (
         dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200)),
-        dict(pipeline=True),
+        dict(num_stages=2),
     ),
     "int2_d256_gqa8_per_token": (
         dict(method="oscar", d=256, gqa=8, h=1, lens=(905, 131), norm_granularity="per_token"),
-        dict(block_tokens=128, blocks_per_split=2, pipeline=True),
+        dict(block_tokens=128, blocks_per_split=2),
     ),
     "kivi_int2_d64_gqa8": (
         dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)),
@@ -118,8 +118,8 @@ class TestDecodeKernelGPU:
             self.decode(q, cache, splits=3)
         with pytest.raises(ValueError, match="num_warps"):
             self.decode(q, cache, num_warps=3)
-        with pytest.raises(ValueError, match="pipeline"):
-            self.decode(q, cache, pipeline=1)
+        with pytest.raises(ValueError, match="fuse_ring"):
+            self.decode(q, cache, fuse_ring=1)
         with pytest.raises(ValueError, match="GQA ratio"):
             self.decode(jnp.repeat(q[:, :1], 32, axis=1), cache)
         with pytest.raises(ValueError, match="bits"):
@@ -142,7 +142,7 @@ def test_heuristic_config():
 
 
 @pytest.mark.parametrize(
-    "method,opts", [("oscar", {}), ("oscar", {"pipeline": True}), ("bf16", {})]
+    "method,opts", [("oscar", {}), ("oscar", {"fuse_ring": False}), ("bf16", {})]
 )
 def test_lowers_to_triton(method, opts):
     """Lowering gaps (e.g. slicing a loaded value) that interpret mode cannot see, on CPU."""

@@ -11,6 +11,7 @@ from jax.experimental import checkify
 
 import models
 import oscar_jax as oj
+from models.stopping import STOP_CAPACITY, STOP_NONE
 
 SMALL = dict(residual_length=32, group_size=32)
 B, H, HQ, D = 4, 2, 4, 64
@@ -173,7 +174,8 @@ def _tiny_model():
 
 
 def test_generate_reports_overflow_per_row():
-    """generate(return_info=True): per-row flags (OR over layers) and cache lengths show why."""
+    """generate(return_info=True): per-row flags (OR over layers), cache lengths and the stop
+    reason show why; the overflowing row stops (pad ids), the other one runs on."""
     m = _tiny_model()
     ids = np.arange(2 * 12, dtype=np.int32).reshape(2, 12) % 64
     kv = oj.preset("oscar", bits=2, residual_length=16, group_size=16)
@@ -184,6 +186,10 @@ def test_generate_reports_overflow_per_row():
     assert np.asarray(info["cache_lengths"]).tolist() == [16, 13]
     assert oj.checks.describe_rows(info["flags"]) == {0: ["FLAG_OVERFLOW"]}
     assert out.shape == (2, 10)
+    # row 0: 4 appends fill it, the 5th (token 4) overflows: tokens 5.. are the pad id (0)
+    assert np.asarray(info["stop_reason"]).tolist() == [STOP_CAPACITY, STOP_NONE]
+    assert np.asarray(info["num_tokens"]).tolist() == [5, 10]
+    assert np.all(np.asarray(out)[0, 5:] == 0)
 
 
 # -- determinism --------------------------------------------------------------------
