@@ -1,0 +1,480 @@
+"""Sharded decoding on several GPUs against one (issue #10).
+
+Llama-3.1-8B-shaped pseudo-random bf16 weights, the ``bf16`` and OScaR INT2 caches, the
+mesh support of ``models.generate`` (axes data / model / sequence, ``models.sharding``;
+the sharded attention is the XLA math per shard, so the one-GPU runs here use
+``implementation="xla"`` too; the Pallas one-GPU numbers are bench_e2e.py's).
+N = all visible devices (``--devices``). Meshes: ``seq`` (1, 1, N), ``model`` (1, N, 1),
+``data`` (N, 1, 1), ``1gpu`` (no mesh, device 0). Workloads (``--workloads``, in order;
+``--budget-s`` skips the rest):
+
+* ``check``: greedy tokens, sharded vs one GPU, ``--check-steps`` steps after a real
+  prefill of a random 2-row prompt (2K tokens) through the random model. The one-GPU run
+  picks its tokens; the sharded run is fed the same tokens (teacher forcing) and its
+  argmax is compared at every step (equal at every step <=> equal free-running greedy
+  sequences), then also run free. Mismatches, the logits' max |difference| and how many
+  mismatches are near ties (one-GPU top-2 gap <= 2 x that step's max difference).
+* ``seq128k`` / ``seq512k``: ms per token at batch 1, one GPU vs ``seq``. A run that does
+  not fit (analytic bytes, then the compiled program's memory analysis) is reported so.
+* ``maxctx``: the largest context per cache on 1 and N GPUs (sequence sharding), from the
+  bytes per token, the weights per device and the measured temp / cache ratio.
+* ``tp48x4k``: tokens/s at batch 48 x 4K on ``--tp-meshes`` (default 1gpu,data,model).
+* ``tpmax32k``: tokens/s at the largest batch that fits at 32K on ``--tpmax-meshes``.
+
+    NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 python3 benchmarks/bench_sharded.py --out /tmp/sh
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python3 benchmarks/bench_sharded.py --tiny
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if os.environ.get("NCCL_NVLS_ENABLE", "0") != "0":
+    sys.exit("NCCL_NVLS_ENABLE must be 0 (NVLink multicast stays off on these machines)")
+os.environ["NCCL_NVLS_ENABLE"] = "0"
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # before JAX starts
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the repo root and benchmarks/
+
+import argparse  # noqa: E402
+import functools  # noqa: E402
+import time  # noqa: E402
+
+import e2e_common as ec  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from e2e_report import Runner, sharded_summary  # noqa: E402
+from jax.sharding import Mesh, SingleDeviceSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from models import layers, memory  # noqa: E402
+from models import sharding as msh  # noqa: E402
+
+ORDER = ("check", "seq128k", "seq512k", "maxctx", "tp48x4k", "tpmax32k")
+FULL = dict(check=(2, 2048), seq128k=(1, 131072), seq512k=(1, 524288), tp48x4k=(48, 4096),
+            tpmax32k=(None, 32768))  # fmt: skip
+# tiny: shapes shared where possible (one compile each): seq512k reuses seq128k's programs,
+# tpmax32k (8 rows "fit" without memory stats) tp48x4k's
+TINY = dict(check=(2, 200), seq128k=(1, 1024), seq512k=(1, 1024), tp48x4k=(8, 1024),
+            tpmax32k=(None, 1024))  # fmt: skip
+
+
+def _check_prog(st, n, params, ids, lengths, forced, use_forced):
+    """Prefill, then n steps: tokens [B, n] (argmax, or ``forced`` when use_forced) and logits."""
+    logits, caches = ec.gen._prefill(st, params, ids, lengths)
+
+    def step(carry, i):
+        caches, logits = carry
+        tok = jnp.where(use_forced, forced[:, i], jnp.argmax(logits, -1).astype(jnp.int32))
+        tok = msh.constrain(tok, st.mesh, P(st.axes.data))
+        new, caches = ec.gen._decode(st, params, caches, tok, lengths + i)
+        return (caches, new), (tok, logits)
+
+    _, (toks, lg) = jax.lax.scan(step, (caches, logits), jnp.arange(n, dtype=jnp.int32))
+    return toks.T, jnp.swapaxes(lg, 0, 1)
+
+
+class Bench:
+    def __init__(self, args, runner: Runner):
+        self.a, self.r = args, runner
+        self.devs = jax.devices()[: args.devices or None]
+        self.n = len(self.devs)
+        self.dev0 = self.devs[0]
+        self.sizes = TINY if args.tiny else FULL
+        self.cfg = ec.model_config("llama31_8b", args.tiny)
+        self.caches = ec.parse_caches(args.caches, "xla")
+        self.dtype = jnp.dtype(args.dtype)
+        self._params: dict = {}
+        self.programs: dict = {}
+
+    def mesh(self, name: str):
+        shape = dict(seq=(1, 1, self.n), model=(1, self.n, 1), data=(self.n, 1, 1))
+        if name == "1gpu":
+            return None
+        if name == "hybrid":  # model x sequence, for 4 or more devices
+            shape["hybrid"] = (1, 2, self.n // 2)
+        return Mesh(np.array(self.devs).reshape(shape[name]), ("data", "model", "sequence"))
+
+    def params(self, layout: str, exclusive: bool = False):
+        """Weights in one layout (the same values in every layout: index-hashed init)."""
+        if exclusive:
+            for k in [k for k in self._params if k != layout]:
+                ec.delete(self._params.pop(k))
+        if layout not in self._params:
+            mesh = self.mesh(layout)
+            sh = ec.param_shardings(self.cfg, mesh, self.dev0)
+            self._params[layout] = p = ec.random_params(self.cfg, sh, self.a.seed, self.dtype)
+            jax.block_until_ready(p)
+        return self._params[layout]
+
+    def shardings(self, layout, batch):
+        mesh = self.mesh(layout)
+        return mesh, (SingleDeviceSharding(self.dev0) if mesh is None else msh.rows(mesh))
+
+    def pabs(self, params):
+        return jax.tree_util.tree_map(lambda x: ec.abstract(x.shape, x.dtype, x.sharding), params)
+
+    # -- correctness -------------------------------------------------------------------
+    def program(self, spec, layout, batch, ctx, params):
+        """The compiled decode loop of (cache, layout, batch, context): one compile each."""
+        key = (spec.name, layout, batch, ctx)
+        if key in self.programs:
+            compiled, info = self.programs[key]
+            return compiled, dict(info, compile_s=0.0, lower_s=0.0, reused=True)
+        mesh, rows = self.shardings(layout, batch)
+        st = ec.static(self.cfg, spec.kv, ctx, "xla", mesh=mesh, dtype=self.dtype)
+        if mesh is not None:
+            ec.gen._check_mesh(self.cfg, spec.kv, mesh, st.axes, batch, ctx, "xla")
+        cabs = ec.abstract_caches(
+            self.cfg, spec.kv, batch, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
+        )
+        tok_abs = ec.abstract((batch,), jnp.int32, rows)
+        self.programs[key] = ec.compile_decode(st, self.pabs(params), cabs, tok_abs)
+        return self.programs[key]
+
+    def check_decode_unit(self, spec: ec.CacheSpec, layout: str):
+        """Greedy equality through the timing programs (no extra compile): the prompt is fed
+        token by token into an empty cache of the seq128k shape (same math as a prefill:
+        appends and prefill give bit-identical caches), then ``check_steps`` greedy steps."""
+        a, cfg = self.a, self.cfg
+        _, ctx = self.sizes["seq128k"]
+        k = a.check_steps
+        p_len = min(a.check_prompt, ec.HISTORY - k)  # > R = 128: the prompt fills INT2 groups
+        prompt = np.random.default_rng(a.seed).integers(0, cfg.vocab_size, (1, p_len))
+
+        def run(where, forced, n_forced):
+            params = self.params(where)
+            compiled, info = self.program(spec, where, 1, ctx, params)
+            mesh, rows = self.shardings(where, 1)
+            cabs = ec.abstract_caches(
+                cfg, spec.kv, 1, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
+            )
+            caches = ec.make_caches(cabs, 0, "zeros")
+            buf = np.zeros((1, ec.HISTORY), np.int32)
+            buf[:, : forced.shape[1]] = forced
+            tok = jax.device_put(jnp.zeros((1,), jnp.int32), rows)
+            args = ec.decode_args(params, caches, tok, buf, n_forced)
+            res = compiled(*args, np.int32(p_len + k - 1))
+            ec.delete(res[0])
+            return info["compile_s"], [np.asarray(h)[0, p_len - 1 : p_len - 1 + k] for h in res[2]]
+
+        c1, (tok1, top1, top2) = run("1gpu", prompt, p_len)
+        forced = np.concatenate([prompt, tok1[None, : k - 1]], axis=1)
+        c2, (tokf, topf, _) = run(layout, forced, p_len + k - 1)
+        _, (tokn, _, _) = run(layout, prompt, p_len)
+        compile_s = c1 + c2
+        mism = tokf != tok1
+        diff = np.abs(topf - top1)  # the top logit's value, sharded vs one GPU
+        gap = top1 - top2
+        return dict(
+            mode="decode", mesh=str(tuple(self.mesh(layout).shape.values())), steps=k, batch=1,
+            prompt=p_len, max_len=ctx, mismatches=int(mism.sum()),
+            first_mismatch=[int(np.argmax(mism)) if mism.any() else None],
+            tokens_equal=bool((tokn == tok1).all()), logits_max_abs_diff=float(diff.max()),
+            logits_diff_kind="top-1 logit", logits_max_abs=float(np.abs(top1).max()),
+            near_ties=int((mism & (gap <= 2 * diff.max())).sum()), min_top2_gap=float(gap.min()),
+            tokens_1gpu=tok1.tolist(), compile_s=compile_s,
+        )  # fmt: skip
+
+    def check_unit(self, spec: ec.CacheSpec, layout: str):
+        a, cfg = self.a, self.cfg
+        b, t = self.sizes["check"]
+        n = a.check_steps
+        max_len = -(-(ec.gen.bucket_length(t) + n + 128) // (256 * self.n)) * (256 * self.n)
+        rng = np.random.default_rng(a.seed)
+        ids = rng.integers(0, cfg.vocab_size, (b, ec.gen.bucket_length(t))).astype(np.int32)
+        lengths = np.array([t] + [t * 3 // 4] * (b - 1), np.int32)
+        out = {}
+        for where in ("1gpu", layout):
+            mesh, rows = self.shardings(where, b)
+            st = ec.static(cfg, spec.kv, max_len, "xla", mesh=mesh, dtype=self.dtype)
+            if mesh is not None:
+                ec.gen._check_mesh(cfg, spec.kv, mesh, st.axes, b, max_len, "xla")
+            params = self.params(where)
+            fn = jax.jit(functools.partial(_check_prog, st, n))
+            args = [jax.device_put(x, rows if x.ndim == 1 else
+                                   jax.sharding.NamedSharding(mesh, P("data", None))
+                                   if mesh else rows) for x in (ids, lengths)]  # fmt: skip
+            forced = out["1gpu"]["toks"] if where != "1gpu" else np.zeros((b, n), np.int32)
+            args.append(jax.device_put(forced, args[0].sharding))
+            ab = [ec.abstract(x.shape, x.dtype, x.sharding) for x in args]
+            compiled, cinfo = ec.compile_timed(fn, self.pabs(params), *ab,
+                                               ec.abstract((), jnp.bool_, None))  # fmt: skip
+            forced_run = where != "1gpu"
+            toks, lg = compiled(params, *args, np.bool_(forced_run))
+            free, _ = compiled(params, *args, np.bool_(False)) if forced_run else (toks, None)
+            out[where] = dict(toks=np.asarray(free), forced_argmax=np.asarray(jnp.argmax(lg, -1)),
+                              logits=np.asarray(lg), compile_s=cinfo["compile_s"])  # fmt: skip
+        one, sh = out["1gpu"], out[layout]
+        diff = np.abs(sh["logits"] - one["logits"])  # [B, n, V]
+        step_diff = diff.max(-1)
+        top2 = np.sort(one["logits"], -1)[..., -2:]
+        gap = top2[..., 1] - top2[..., 0]
+        mism = sh["forced_argmax"] != one["toks"]
+        return dict(
+            mesh=str(tuple(self.mesh(layout).shape.values())), steps=n, batch=b, prompt=t,
+            max_len=max_len, mismatches=int(mism.sum()),
+            first_mismatch=[int(np.argmax(r)) if r.any() else None for r in mism],
+            tokens_equal=bool((sh["toks"] == one["toks"]).all()),
+            logits_max_abs_diff=float(diff.max()),
+            logits_max_abs=float(np.abs(one["logits"]).max()),
+            near_ties=int((mism & (gap <= 2 * step_diff)).sum()), min_top2_gap=float(gap.min()),
+            tokens_1gpu=one["toks"].tolist(), compile_s=one["compile_s"] + sh["compile_s"],
+        )  # fmt: skip
+
+    # -- timed decoding ------------------------------------------------------------------
+    def decode_unit(self, spec, layout, batch, ctx, steps, repeats, exclusive=False):
+        a, cfg = self.a, self.cfg
+        mesh, rows = self.shardings(layout, batch)
+        params = self.params(layout, exclusive)
+        cabs = ec.abstract_caches(
+            cfg, spec.kv, batch, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
+        )
+        per_dev = self.cache_bytes_per_device(cabs)
+        ms = ec.memory_stats(self.dev0, a.mem_limit_gib * ec.GiB if a.mem_limit_gib else None)
+        limit = ms["bytes_limit"]
+        fit = self.fits(spec, layout, per_dev, ms)
+        if fit is False:
+            return dict(status="does not fit (analytic)", cache_bytes_per_device=per_dev,
+                        bytes_limit=limit, bytes_in_use=ms["bytes_in_use"])  # fmt: skip
+        compiled, cinfo = self.program(spec, layout, batch, ctx, params)
+        need = per_dev + cinfo.get("temp_bytes", 0)
+        if limit and ms["bytes_in_use"] + need > limit:
+            return dict(status="does not fit (compiled memory analysis)", need_bytes=need,
+                        bytes_limit=limit, bytes_in_use=ms["bytes_in_use"], **cinfo)  # fmt: skip
+        n_fill = ctx - steps[1] - 1
+        t = time.perf_counter()
+        caches = ec.make_caches(cabs, n_fill, a.fill, a.seed)
+        jax.block_until_ready(caches)
+        fill_s = time.perf_counter() - t
+        tok = jax.device_put(jnp.arange(batch, dtype=jnp.int32) % cfg.vocab_size, rows)
+        try:
+            res, args = ec.time_steps(compiled, ec.decode_args(params, caches, tok), steps, repeats)
+            ec.delete(args[1])
+        finally:
+            ec.delete(caches)
+        return dict(res, mesh=str(tuple(mesh.shape.values())) if mesh else "1 device",
+                    batch=batch, context=ctx, filled_tokens=n_fill, cache=spec.name, impl="xla",
+                    tokens_per_s=batch / (res["ms_per_step"] * 1e-3), fill_s=fill_s,
+                    cache_bytes_per_device=per_dev,
+                    temp_over_cache=cinfo.get("temp_bytes", 0) / max(per_dev, 1),
+                    **cinfo)  # fmt: skip
+
+    def cache_bytes_per_device(self, cabs) -> int:
+        """Bytes of the caches on device 0 (from the shardings' shard shapes)."""
+        tot = 0
+        for x in jax.tree_util.tree_leaves(cabs):
+            shp = x.sharding.shard_shape(x.shape)
+            tot += int(np.prod(shp)) * x.dtype.itemsize
+        return tot
+
+    def fits(self, spec, layout, per_dev, ms):
+        """False when the cache plus the measured temp ratio (from a smaller run) cannot fit."""
+        limit = ms["bytes_limit"]
+        if not limit:
+            return None
+        ratio = self.temp_ratio(spec.name, layout)
+        return ms["bytes_in_use"] + per_dev * (1 + ratio) <= limit
+
+    def temp_ratio(self, cache, layout) -> float:
+        rs = [u["temp_over_cache"] for k, u in self.r.data["units"].items()
+              if u.get("status") == "ok" and u.get("cache") == cache and "temp_over_cache" in u
+              and k.split("/")[2] == layout]  # fmt: skip
+        return max(rs) if rs else 0.0
+
+    def maxctx_unit(self, spec):
+        """Largest context per cache on 1 and N devices (sequence mesh): analytic."""
+        a, cfg = self.a, self.cfg
+        ms = ec.memory_stats(self.dev0, a.mem_limit_gib * ec.GiB if a.mem_limit_gib else None)
+        shapes = layers.param_shapes(cfg)
+        weights = self.dtype.itemsize * sum(
+            int(np.prod(v))
+            for v in jax.tree_util.tree_leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
+        )  # replicated over sequence
+        limit = ms["bytes_limit"] or weights + a.tiny_rows * (1 << 20)  # tiny: pretend
+        nbytes = lambda n: ec.tree_nbytes(
+            memory.abstract_caches(  # noqa: E731
+                cfg, spec.kv, batch=1, max_len=n, dtype=self.dtype
+            )
+        )
+        lo, hi = 1 << 18, 1 << 19
+        per_tok = (nbytes(hi) - nbytes(lo)) / (hi - lo)
+        margin = max(a.margin_gib * ec.GiB, 0.02 * limit) if ms["bytes_limit"] else 0
+        out = {}
+        for n, layout in ((1, "1gpu"), (self.n, "seq")):
+            ratio = self.temp_ratio(spec.name, layout)
+            ctx = int((limit - weights - margin) / (per_tok / n * (1 + ratio)))
+            out[str(n)] = dict(analytic_context=ctx // (256 * n) * (256 * n), temp_ratio=ratio,
+                               bytes_per_token_per_device=per_tok / n)  # fmt: skip
+        return dict(analytic_context=out[str(self.n)]["analytic_context"], per_devices=out,
+                    weights_bytes_per_device=weights, bytes_limit=limit, margin=margin,
+                    verified="not run")  # fmt: skip
+
+    def tpmax_unit(self, spec, layout, ctx, steps, repeats):
+        a, cfg = self.a, self.cfg
+        mesh, rows = self.shardings(layout, 1)
+        params = self.params(layout, exclusive=True)
+        ms = ec.memory_stats(self.dev0, a.mem_limit_gib * ec.GiB if a.mem_limit_gib else None)
+        nd = mesh.shape["data"] if mesh else 1  # rows are split over the data axis
+        one = ec.abstract_caches(
+            cfg, spec.kv, nd, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
+        )
+        row = self.cache_bytes_per_device(one) // nd  # device-0 bytes per row of the batch
+        stats = bool(ms["bytes_limit"])
+        limit = ms["bytes_limit"] or ms["bytes_in_use"] + a.tiny_rows * row
+        margin = max(a.margin_gib * ec.GiB, 0.02 * limit) if stats else 0
+        free = int(limit - ms["bytes_in_use"] - margin)
+
+        def build(b):
+            return self.program(spec, layout, b, ctx, params)
+
+        fit, compiled, cinfo = ec.fit_batch(build, row, free, multiple=nd, check=stats)
+        fit.update(bytes_limit=limit, bytes_in_use=ms["bytes_in_use"], margin=margin)
+        b, attempts = fit["batch"], []
+        while b >= nd and len(attempts) < 3:
+            try:
+                res = self.decode_unit(spec, layout, b, ctx, steps, repeats, exclusive=True)
+                return dict(res, fit=fit, attempts=attempts, verified_batch=b)
+            except Exception as e:  # noqa: BLE001
+                if not ec.is_oom(e):
+                    raise
+                attempts.append(dict(batch=b, error=str(e)[:200]))
+                b = int(b * 0.9) // nd * nd
+        return dict(status="error: no batch fits", fit=fit, attempts=attempts)
+
+    # -- driver ---------------------------------------------------------------------------
+    def run(self):
+        a = self.a
+        work = list(a.workloads)
+        if a.check_prefill == "decode" and "check" in work and "seq128k" in work:
+            work.remove("seq128k")  # run with the check, cache by cache: they share programs
+        for w in work:
+            for c in self.caches:
+                self.units(w, c)
+                if w == "check" and "seq128k" in a.workloads and "seq128k" not in work:
+                    self.units("seq128k", c)
+
+    def units(self, w: str, c: ec.CacheSpec):
+        a, r, part = self.a, self.r, functools.partial
+        if w == "check":
+            layout = a.check_mesh if a.check_mesh != "auto" else "seq" if self.n < 4 else "hybrid"
+            fn = self.check_unit if a.check_prefill == "real" else self.check_decode_unit
+            r.unit(f"check/{c.name}/{layout}", part(fn, c, layout))
+        elif w in ("seq128k", "seq512k"):
+            b, ctx = self.sizes[w]
+            steps, reps = (a.steps, a.repeats) if w == "seq128k" else (a.tp_steps, 1)
+            for layout in ("seq", "1gpu"):
+                fn = part(self.decode_unit, c, layout, b, ctx, steps, reps, w == "seq512k")
+                compiled = (c.name, layout, b, ctx) in self.programs  # e.g. by the check
+                r.unit(f"{w}/{c.name}/{layout}", fn, grace_s=a.grace_s if compiled else 0.0)
+        elif w == "maxctx":
+            r.unit(f"maxctx/{c.name}/{self.n}", part(self.maxctx_unit, c), grace_s=1e9)  # analytic
+        elif w == "tp48x4k":
+            b, ctx = self.sizes[w]
+            for layout in a.tp_meshes:
+                fn = part(self.decode_unit, c, layout, b, ctx, a.tp_steps, a.tp_repeats)
+                r.unit(f"{w}/{c.name}/{layout}", fn)
+        elif w == "tpmax32k":
+            for layout in a.tpmax_meshes:
+                fn = part(self.tpmax_unit, c, layout, self.sizes[w][1], a.tp_steps, a.tp_repeats)
+                r.unit(f"{w}/{c.name}/{layout}", fn)
+
+
+def _list(s: str) -> list[str]:
+    return [x.strip() for x in s.split(",") if x.strip() and x.strip() != "none"]
+
+
+def _steps(s: str) -> tuple[int, int]:
+    n1, n2 = (int(x) for x in s.split(","))
+    if not 0 <= n1 < n2:
+        raise argparse.ArgumentTypeError(f"steps={s!r} must be 'n1,n2' with 0 <= n1 < n2")
+    return n1, n2
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", type=_list, default=list(ORDER))
+    ap.add_argument("--caches", default="bf16,oscar2")
+    ap.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
+    ap.add_argument("--check-mesh", default="auto", choices=("auto", "seq", "model", "data",
+                                                             "hybrid"))  # fmt: skip
+    ap.add_argument("--check-steps", type=int, default=None)
+    ap.add_argument("--check-prompt", type=int, default=192, help="prompt tokens, decode mode")
+    ap.add_argument(
+        "--check-prefill",
+        default="decode",
+        choices=("decode", "real"),
+        help="decode: the prompt token by token through the seq128k programs (no "
+        "extra compile); real: generate's prefill + scan (2 compiles a cache)",
+    )
+    ap.add_argument("--tp-meshes", type=_list, default=["1gpu", "data", "model"])
+    ap.add_argument("--tpmax-meshes", type=_list, default=["model", "1gpu"])
+    ap.add_argument("--fill", default="random", choices=("random", "zeros", "encode"))
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        help="weights and cache (bfloat16; tiny: float32, "
+        "where float rounding cannot flip a greedy token)",
+    )
+    ap.add_argument("--steps", type=_steps, default=None)
+    ap.add_argument("--tp-steps", type=_steps, default=None)
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--tp-repeats", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=0.0, help="skip units after this (0: none)")
+    ap.add_argument(
+        "--grace-s",
+        type=float,
+        default=45.0,
+        help="extra budget for timing units whose program is already compiled",
+    )
+    ap.add_argument("--mem-limit-gib", type=float, default=0.0)
+    ap.add_argument("--margin-gib", type=float, default=1.0)
+    ap.add_argument("--tiny-rows", type=int, default=8, help="no memory stats: rows that fit")
+    ap.add_argument("--jax-cache", default="")
+    ap.add_argument("--resume", default="", help="earlier JSON: its ok units are kept, not re-run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/sharded")
+    a = ap.parse_args(argv)
+    bad = [w for w in a.workloads if w not in ORDER]
+    if bad:
+        ap.error(f"unknown workloads {bad}; choose from {ORDER}")
+    meshes = ("1gpu", "seq", "model", "data", "hybrid")
+    bad = [m for m in a.tp_meshes + a.tpmax_meshes if m not in meshes]
+    if bad:
+        ap.error(f"unknown meshes {bad}; choose from {meshes}")
+    dflt = dict(check_steps=64, steps=(4, 36), tp_steps=(1, 33), repeats=3, tp_repeats=2,
+                dtype="bfloat16")  # fmt: skip
+    if a.tiny:
+        dflt.update(check_steps=16, steps=(1, 3), tp_steps=(1, 3), repeats=1, tp_repeats=1,
+                    dtype="float32")  # fmt: skip
+    for k, v in dflt.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    ec.parse_caches(a.caches, "xla")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    ec.setup_jax(a.jax_cache)
+    devs = jax.devices()[: a.devices or None]
+    if len(devs) < 2:
+        sys.exit(f"bench_sharded needs >= 2 devices, found {len(devs)}")
+    meta = dict(issue=10, device=devs[0].device_kind, platform=devs[0].platform,
+                num_devices=len(devs), jax=jax.__version__,
+                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(a),
+                memory=ec.memory_stats(devs[0]),
+                nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"))  # fmt: skip
+    r = Runner(a.out, "sharded", a.budget_s, meta, sharded_summary, a.resume)
+    r.log(f"jax {jax.__version__}: {len(devs)} x {devs[0].device_kind}")
+    Bench(a, r).run()
+    r.write()
+    r.log(f"done; results in {a.out}/sharded.json and sharded.md")
+    return r.data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,484 @@
+"""Shared pieces of the end-to-end decode benchmarks (``bench_e2e.py``, ``bench_sharded.py``).
+
+* Pseudo-random bf16 weights of the real shapes (std 0.02, from an integer hash of each
+  element's index), made on the device in one jit, optionally straight into a mesh
+  layout: nothing float32 is materialised, on the host or the device. The value
+  rotation is not folded: folding an orthogonal matrix into random weights gives another
+  random draw, so the weights are taken as already folded (the cache config has
+  ``rotate_values=False``, as ``models.generate.prepare`` hands it).
+* Caches of any context without a long forward pass: allocated and filled on the device
+  (``fill="random"``: random codes / scales / norms / ring, lengths set; ``"encode"``: the
+  real ``oscar_jax.prefill`` of random K/V, layer by layer and in row chunks; ``"zeros"``:
+  lengths only). The decode kernels do the same work for any content.
+* Timing: one jitted program runs ``n`` (a traced scalar: one compile for every ``n``)
+  decode steps of ``models.generate``'s step (``_decode``, greedy argmax) in a loop on the
+  device, carrying the donated cache, and resets the lengths at the end so every call
+  decodes at the same context. Per-step time = (T(n2) - T(n1)) / (n2 - n1), medians over
+  repeats, which removes dispatch and the fixed costs; compile time is measured apart
+  (``lower`` + ``compile``), with the compiled program's memory analysis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import oscar_jax as oj
+import pallas_kernels  # noqa: F401  (registers implementation="pallas")
+from models import layers, memory
+from models import sharding as msh
+from models.config import ModelConfig, llama31_8b, qwen3_8b
+from oscar_jax import sharding as osh
+
+gen = importlib.import_module("models.generate")  # the module (models.generate is a function)
+GiB = 1024**3
+MODELS = {"llama31_8b": llama31_8b, "qwen3_8b": qwen3_8b}
+
+
+def model_config(name: str, tiny: bool = False) -> ModelConfig:
+    """The full-size config, or (``tiny``) a 2-layer one of the same family for CPU tests."""
+    if name not in MODELS:
+        raise ValueError(f"model={name!r} must be one of {tuple(MODELS)}")
+    cfg = MODELS[name]()
+    if tiny:  # head_dim 64 (the Pallas kernels' minimum), 8 KV heads (8 simulated devices)
+        cfg = cfg.replace(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                          num_heads=16, num_kv_heads=8, head_dim=64)  # fmt: skip
+    return cfg
+
+
+# -- caches: "name[:implementation]" -------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+    """A cache type: its name ("bf16", "oscar2", "oscar4"), KV config and attention kernel."""
+
+    name: str
+    kv: oj.KVQuantConfig  # as the cache stores it (rotate_values folded away)
+    impl: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}:{self.impl}"
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv.quantized
+
+
+def parse_caches(text: str, default_impl: str) -> list[CacheSpec]:
+    """``"bf16,oscar2:xla"`` -> specs; ValueError on unknown names."""
+    out = []
+    for item in (s.strip() for s in text.split(",") if s.strip()):
+        name, _, impl = item.partition(":")
+        if name == "bf16":
+            kv = oj.preset("bf16")
+        elif name.startswith("oscar") and name[5:].isdigit():
+            kv = oj.preset("oscar", bits=int(name[5:])).replace(rotate_values=False)
+        else:
+            raise ValueError(f"cache={item!r} must be bf16 or oscarN, optionally ':impl'")
+        out.append(CacheSpec(name, kv, impl or default_impl))
+    if not out:
+        raise ValueError(f"caches={text!r} must name at least one cache")
+    return out
+
+
+def _skip_attention(q, cache, *, softmax_scale=None, **options):
+    """Breakdown variant: no attention (the output is the query; the cache is not read)."""
+    return q
+
+
+def _cudnn_attention(q, cache, *, softmax_scale=None, **options):
+    """cuDNN decode attention over a bf16 cache (needs a [B, S, H, D] copy of the ring)."""
+    if cache.cfg.quantized:
+        raise ValueError("implementation='cudnn' needs a bf16 cache")
+    k, v = jnp.swapaxes(cache.k_res, 1, 2), jnp.swapaxes(cache.v_res, 1, 2)
+    o = jax.nn.dot_product_attention(
+        q[:, None].astype(k.dtype), k, v, scale=softmax_scale,
+        key_value_seq_lengths=cache.lengths, implementation="cudnn",
+    )  # fmt: skip
+    return o[:, 0].astype(q.dtype)
+
+
+oj.register_decode_attention("bench_skip", _skip_attention)
+oj.register_decode_attention("cudnn", _cudnn_attention)
+
+
+def static(cfg, kv, max_len, impl, encode_impl="xla", mesh=None, ax=osh.AXES,
+           dtype="bfloat16") -> gen.Static:  # fmt: skip
+    """``models.generate.Static`` for greedy decoding without stop tokens."""
+    return gen.Static(
+        model=cfg, kv=kv, max_len=int(max_len), cache_dtype=jnp.dtype(dtype).name,
+        implementation=impl,
+        encode_implementation=encode_impl, greedy=True, top_k=None, use_top_p=False,
+        stop_tokens=(), pad_id=0, mesh=mesh, axes=ax,
+    )  # fmt: skip
+
+
+# -- placement -----------------------------------------------------------------------
+def abstract(shape, dtype, sharding):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)
+
+
+def param_shardings(cfg, mesh=None, device=None):
+    if mesh is None:
+        s = SingleDeviceSharding(device or jax.devices()[0])
+        return jax.tree_util.tree_map(lambda _: s, layers.param_shapes(cfg),
+                                      is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
+    return msh.param_shardings(cfg, mesh)
+
+
+def _mix32(x):
+    """The lowbias32 integer hash (uint32 -> uint32)."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def hash_uniform(shape, salt: int):
+    """Pseudo-random float32 in [0, 1) from a hash of each element's index.
+
+    Elementwise integer ops only: it compiles in a blink and fuses into its consumer
+    (``jax.random``'s threefry takes seconds to compile per shape on CPU). Indices wrap
+    at 2^32 elements (a repeated pattern past that is harmless for timing).
+    """
+    idx = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for ax in range(len(shape) - 1, -1, -1):
+        idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * jnp.uint32(stride % 2**32)
+        stride *= shape[ax]
+    x = _mix32(idx ^ _mix32(jnp.uint32(salt & 0xFFFFFFFF)))
+    return (x >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
+
+
+def random_params(cfg: ModelConfig, shardings, seed: int = 0, dtype=jnp.bfloat16) -> dict:
+    """Weights ~ U with std 0.02 (ones for norms, zeros for biases) in ``dtype``, on the device.
+
+    One jit, fused per tensor: nothing float32 is materialised, on the host or the device.
+    """
+    shapes = layers.param_shapes(cfg)
+    flat, tree = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    names = [str(getattr(p[-1], "key", p[-1])) for p, _ in flat]
+    half = 0.02 * np.sqrt(3.0)  # U(-a, a) has std a / sqrt(3)
+
+    def build():
+        out = []
+        for i, (name, (_, shape)) in enumerate(zip(names, flat, strict=True)):
+            if "norm" in name:
+                out.append(jnp.ones(shape, dtype))
+            elif name.startswith("b"):
+                out.append(jnp.zeros(shape, dtype))
+            else:
+                u = hash_uniform(shape, 1000 * seed + i)
+                out.append((half * (2.0 * u - 1.0)).astype(dtype))
+        return jax.tree_util.tree_unflatten(tree, out)
+
+    return jax.jit(build, out_shardings=shardings)()
+
+
+def tree_nbytes(tree) -> int:
+    return memory.abstract_nbytes(tree)
+
+
+def abstract_caches(cfg, kv, batch, max_len, mesh=None, ax=osh.AXES, device=None,
+                    dtype=jnp.bfloat16):  # fmt: skip
+    """The stacked caches [L, ...] as ShapeDtypeStructs carrying their shardings."""
+    shapes = memory.abstract_caches(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
+    if mesh is None:
+        sh = SingleDeviceSharding(device or jax.devices()[0])
+        return jax.tree_util.tree_map(lambda s: abstract(s.shape, s.dtype, sh), shapes)
+    shards = osh.cache_shardings(shapes, mesh, ax, leading_axes=1)
+    return jax.tree_util.tree_map(lambda s, h: abstract(s.shape, s.dtype, h), shapes, shards)
+
+
+def _random_field(salt: int, s, name):
+    """Plausible pseudo-random content of one cache field (finite, all code values used)."""
+    u = hash_uniform(s.shape, salt)
+    if s.dtype == jnp.uint8:
+        return (u * 256.0).astype(jnp.uint8)
+    if name.endswith("scale"):
+        return (0.01 + 0.05 * u).astype(s.dtype)
+    if name.endswith("zero"):
+        return (-0.1 * u).astype(s.dtype)
+    if name == "k_norm":
+        return (1.0 + 10.0 * u).astype(s.dtype)
+    return (3.4641 * (u - 0.5)).astype(s.dtype)  # ring K/V: mean 0, std 1
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int):
+    """One jitted cache allocator per (shapes, shardings, fill): n_tokens is an argument."""
+    shapes = jax.tree_util.tree_unflatten(tree, leaves)
+    names = [f.name for f in dataclasses.fields(oj.KVCache) if f.name not in ("cfg", "max_len")]
+
+    def build(n_tokens):
+        vals = {}
+        for i, name in enumerate(names):
+            s = getattr(shapes, name)
+            if name == "lengths":
+                vals[name] = jnp.full(s.shape, n_tokens, jnp.int32)
+            elif name == "flags" or zeros:
+                vals[name] = jnp.zeros(s.shape, s.dtype)
+            else:
+                vals[name] = _random_field(100 * seed + i, s, name)
+        return oj.KVCache(**vals, cfg=shapes.cfg, max_len=shapes.max_len)
+
+    return jax.jit(build, out_shardings=jax.tree_util.tree_map(lambda s: s.sharding, shapes))
+
+
+def make_caches(shapes: oj.KVCache, n_tokens: int, fill: str = "random", seed: int = 0):
+    """Allocate the caches of ``shapes`` (abstract, with shardings) holding n_tokens per row.
+
+    ``fill``: "random" (random field contents), "zeros" (lengths only) or "encode"
+    (``oscar_jax.prefill`` of random N(0, 1) K/V, one layer and a few rows at a time).
+    """
+    if fill not in ("random", "zeros", "encode"):
+        raise ValueError(f"fill={fill!r} must be random, zeros or encode")
+    shard = jax.tree_util.tree_map(lambda s: s.sharding, shapes)
+    leaves, tree = jax.tree_util.tree_flatten(shapes)
+    build = _cache_builder(tuple(leaves), tree, fill != "random", seed)
+    caches = build(jnp.int32(n_tokens))
+    caches = jax.device_put(caches, shard)  # empty fields (bf16: no quantized part) may differ
+    if fill == "encode":
+        caches = encode_fill(caches, n_tokens, seed)
+    return caches
+
+
+def encode_fill(caches: oj.KVCache, n_tokens: int, seed: int = 0, chunk_tokens: int = 1 << 17):
+    """Real ``oscar_jax.prefill`` of random K/V into every layer, rows in chunks (in place)."""
+    L, b, h, _, d = caches.k_res.shape  # stacked [L, B, H, S, D]
+    rb = max(1, min(b, chunk_tokens // max(n_tokens, 1)))
+    while b % rb:
+        rb -= 1
+    shard = jax.tree_util.tree_map(lambda x: x.sharding, caches)
+
+    def run(caches, key):
+        def one(i, c):
+            layer, r0 = i // (b // rb), (i % (b // rb)) * rb
+            kk, kv_ = jax.random.split(jax.random.fold_in(key, i))
+            k = jax.random.normal(kk, (rb, n_tokens, h, d), jnp.float32).astype(caches.dtype)
+            v = jax.random.normal(kv_, (rb, n_tokens, h, d), jnp.float32).astype(caches.dtype)
+            part = oj.prefill(oj.init_cache(caches.cfg, batch=rb, max_len=caches.max_len,
+                                            num_kv_heads=h, head_dim=d, dtype=caches.dtype),
+                              k, v)  # fmt: skip
+
+            def put(dst, src):
+                idx = (layer, r0) + (0,) * (dst.ndim - 2)
+                return jax.lax.dynamic_update_slice(dst, src[None].astype(dst.dtype), idx)
+
+            return jax.tree_util.tree_map(put, c, part)
+
+        return jax.lax.fori_loop(0, L * (b // rb), one, caches)
+
+    fn = jax.jit(run, donate_argnums=0, out_shardings=shard)
+    return fn(caches, jax.random.key(seed + 1))
+
+
+def delete(tree) -> None:
+    """Free the device buffers of a pytree now (so the next allocation can reuse them)."""
+    for x in jax.tree_util.tree_leaves(tree):
+        if isinstance(x, jax.Array) and not x.is_deleted():
+            x.delete()
+
+
+# -- the timed decode loop ------------------------------------------------------------
+HISTORY = 512  # steps of per-step (argmax, top-1, top-2 logit) kept by the decode loop
+
+
+def _decode_loop(st: gen.Static, params, caches, tok, forced, n_forced, n, step=None):
+    """``n`` greedy decode steps (``generate``'s per-step ``_decode``); lengths reset at the end.
+
+    Step i feeds ``forced[:, i]`` while i < n_forced (a prompt, or teacher forcing), else the
+    previous step's argmax. Returns (caches, last argmax [B], history): the argmax and the two
+    largest logits of the first ``HISTORY`` steps, [B, HISTORY] each (two reductions over the
+    vocabulary per step: negligible next to the weights).
+    """
+    l0, f0 = caches.lengths, caches.flags
+    pos0 = l0[0]
+    b, s = forced.shape
+    row = P(st.axes.data, None)
+    hist = tuple(msh.constrain(jnp.zeros((b, s), dt), st.mesh, row)
+                 for dt in (jnp.int32, jnp.float32, jnp.float32))  # fmt: skip
+
+    def body(i, carry):
+        caches, tok, hist = carry
+        j = jnp.minimum(i, s - 1)
+        inp = jnp.where(i < n_forced, jax.lax.dynamic_index_in_dim(forced, j, 1, False), tok)
+        logits, caches = (step or gen._decode)(st, params, caches, inp, pos0 + i)
+        nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy, as generate's sampler
+        top1 = jnp.max(logits, axis=-1)
+        hot = jnp.arange(logits.shape[-1])[None, :] == nxt[:, None]
+        top2 = jnp.max(jnp.where(hot, -jnp.inf, logits), axis=-1)
+        hist = tuple(jax.lax.dynamic_update_index_in_dim(h, v.astype(h.dtype), j, 1)
+                     for h, v in zip(hist, (nxt, top1, top2), strict=True))  # fmt: skip
+        return caches, msh.constrain(nxt, st.mesh, P(st.axes.data)), hist
+
+    caches, tok, hist = jax.lax.fori_loop(0, n, body, (caches, tok, hist))
+    caches = dataclasses.replace(caches, lengths=l0, flags=f0)
+    return msh.constrain_caches(caches, st.mesh, st.axes), tok, hist
+
+
+def memory_info(compiled) -> dict:
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001  (not offered by every backend)
+        ma = None
+    if ma is None:
+        return {}
+    keys = ("temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+            "alias_size_in_bytes", "generated_code_size_in_bytes")  # fmt: skip
+    return {k.replace("_size_in", ""): int(getattr(ma, k, 0) or 0) for k in keys}
+
+
+def compile_timed(fn, *args) -> tuple:
+    """AOT ``lower`` + ``compile`` of a jitted fn -> (compiled, info with seconds and memory)."""
+    t0 = time.perf_counter()
+    lowered = fn.lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    return compiled, dict(lower_s=t1 - t0, compile_s=t2 - t1, **memory_info(compiled))
+
+
+def forced_sharding(tok_sharding):
+    """[B, HISTORY] arrays: rows like the tokens."""
+    if isinstance(tok_sharding, NamedSharding):
+        return NamedSharding(tok_sharding.mesh, P(*tok_sharding.spec, None))
+    return tok_sharding
+
+
+def compile_decode(st: gen.Static, params_abs, caches_abs, tok_abs, step=None):
+    """The decode loop, compiled; its outputs keep the input layout (fed back each call).
+
+    Arguments: (params, caches, tok [B], forced [B, HISTORY], n_forced, n). ``step``: a
+    variant of ``generate._decode`` (breakdown).
+    """
+    fs = forced_sharding(tok_abs.sharding)
+    out_sh = (jax.tree_util.tree_map(lambda x: x.sharding, caches_abs), tok_abs.sharding,
+              (fs, fs, fs))  # fmt: skip
+    fn = jax.jit(functools.partial(_decode_loop, st, step=step), donate_argnums=1,
+                 out_shardings=out_sh)  # fmt: skip
+    forced = abstract((tok_abs.shape[0], HISTORY), jnp.int32, fs)
+    scalar = abstract((), jnp.int32, None)
+    return compile_timed(fn, params_abs, caches_abs, tok_abs, forced, scalar, scalar)
+
+
+def decode_args(params, caches, tok, forced=None, n_forced: int = 0) -> list:
+    """The arguments of a compiled decode loop before ``n`` (no forcing by default)."""
+    if forced is None:
+        forced = jnp.zeros((tok.shape[0], HISTORY), jnp.int32)
+    forced = jax.device_put(forced, forced_sharding(tok.sharding))
+    return [params, caches, tok, forced, np.int32(n_forced)]
+
+
+def time_steps(compiled, args, steps=(4, 36), repeats: int = 3, donated: int | None = 1):
+    """Per-step seconds of a looped program: (median T(n2) - median T(n1)) / (n2 - n1).
+
+    ``args`` are the program's arguments before ``n``; with ``donated`` the argument at that
+    index is donated and replaced by the program's first output after each call.
+    Returns (result dict, final args).
+    """
+    n1, n2 = steps
+    if not 0 <= n1 < n2:
+        raise ValueError(f"steps={steps} must satisfy 0 <= n1 < n2")
+    args = list(args)
+
+    def call(n):
+        t = time.perf_counter()
+        out = compiled(*args, np.int32(n))
+        jax.block_until_ready(out)
+        dt = time.perf_counter() - t
+        if donated is not None:
+            args[donated] = out[0]
+        return dt
+
+    warm = call(n1)
+    t1, t2 = [], []
+    for _ in range(repeats):
+        t1.append(call(n1))
+        t2.append(call(n2))
+    per = (float(np.median(t2)) - float(np.median(t1))) / (n2 - n1)
+    res = dict(ms_per_step=per * 1e3, steps=[n1, n2], repeats=repeats, warmup_s=warm,
+               t_n1_s=t1, t_n2_s=t2)  # fmt: skip
+    return res, args
+
+
+def copy_bandwidth(nbytes: int, device=None) -> float:
+    """Bytes/s of a device-side elementwise pass (read + write), chained in one jit."""
+    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device or jax.devices()[0])
+    fn = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda _, y: -y, x))
+    compiled = fn.lower(x, abstract((), jnp.int32, None)).compile()
+    res, _ = time_steps(compiled, [x], steps=(2, 12), repeats=3, donated=None)
+    delete(x)
+    return 2 * nbytes / max(res["ms_per_step"] * 1e-3, 1e-12)
+
+
+# -- device memory ----------------------------------------------------------------------
+def memory_stats(device, limit_override: float | None = None) -> dict:
+    """bytes_limit / bytes_in_use of a device (GPU allocator stats; live arrays elsewhere)."""
+    st = {}
+    try:
+        st = device.memory_stats() or {}
+    except Exception:  # noqa: BLE001
+        st = {}
+    live = int(sum(s.data.nbytes for x in jax.live_arrays()
+                   for s in x.addressable_shards if s.device == device))  # fmt: skip
+    out = dict(bytes_limit=st.get("bytes_limit"), bytes_in_use=st.get("bytes_in_use", live),
+               peak_bytes_in_use=st.get("peak_bytes_in_use"), live_array_bytes=live)  # fmt: skip
+    if limit_override:
+        out["bytes_limit"] = int(limit_override)
+    return out
+
+
+def is_oom(e: BaseException) -> bool:
+    s = str(e)
+    return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
+
+
+def fit_batch(build, row_bytes: int, free_bytes: int, multiple: int = 1, temp_row: int = 0,
+              max_batch: int = 4096, tries: int = 3, check: bool = True):  # fmt: skip
+    """Largest batch whose cache + the compiled program's temporaries fit in ``free_bytes``.
+
+    Analytic first (``row_bytes`` per row plus ``temp_row`` headroom per row), then
+    ``build(batch) -> (compiled, info)`` and the compiled memory analysis, shrinking until
+    cache + temp + (output - alias) fits (``check=False``: the analytic batch as is).
+    Returns (dict, compiled, info).
+    """
+    per = row_bytes + temp_row
+    b = min(max_batch, free_bytes // max(per, 1)) // multiple * multiple
+    out = dict(analytic_batch=int(b), free_bytes=int(free_bytes), row_bytes=int(row_bytes),
+               temp_row_guess=int(temp_row), checks=[])  # fmt: skip
+    if b < multiple:
+        return dict(out, batch=0), None, None
+    compiled = info = None
+    for _ in range(tries):
+        compiled, info = build(int(b))
+        extra = info.get("temp_bytes", 0) + info.get("output_bytes", 0) - info.get("alias_bytes", 0)
+        need = b * row_bytes + max(0, extra)
+        out["checks"].append(
+            dict(batch=int(b), need_bytes=int(need), temp_bytes=info.get("temp_bytes"))
+        )
+        if need <= free_bytes or not check:
+            break
+        b = int(b * free_bytes / need) // multiple * multiple
+        compiled = None
+        if b < multiple:
+            return dict(out, batch=0), None, None
+    return dict(out, batch=int(b) if compiled is not None else 0), compiled, info
+
+
+def setup_jax(cache_dir: str = "") -> None:
+    """Persistent compilation cache (re-runs on a warm machine skip the compiles)."""
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
