@@ -48,6 +48,7 @@ import e2e_common as ec  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from bench_decode import copy_bandwidth  # noqa: E402
 from e2e_report import Runner, e2e_summary  # noqa: E402
 
 import oscar_jax as oj  # noqa: E402
@@ -444,7 +445,7 @@ def main(argv=None):
     runner.log(f"jax {jax.__version__} on {dev.device_kind}; {len(jax.devices())} device(s)")
     bench = Bench(args, runner)
     t = time.perf_counter()
-    meta["copy_bytes_per_s"] = ec.copy_bandwidth(args.copy_mib << 20, dev)
+    meta["copy_bytes_per_s"] = copy_bandwidth(args.copy_mib << 20, reps=12, calls=3)
     runner.log(f"copy bandwidth {meta['copy_bytes_per_s'] / 1e9:.0f} GB/s "
                f"({time.perf_counter() - t:.1f} s)")  # fmt: skip
     for m in args.models:

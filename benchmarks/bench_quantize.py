@@ -9,7 +9,7 @@ of a Qwen3-8B-shaped prefill (batch 1, 8 KV heads, head_dim 128, bf16, oscar, 2 
 for 32K and 128K tokens: each timing chains N encodes inside one jit (each input
 perturbed by the previous output), takes the median of 5 calls for two N and
 reports the slope, so host dispatch cancels. Bandwidth = (bytes read + written) /
-time, compared with an int32 ``x + 1`` pass over 1 GiB timed the same way.
+time, compared with ``bench_decode.copy_bandwidth`` over 1 GiB.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import oscar_jax as oj  # noqa: E402
+from benchmarks.bench_decode import copy_bandwidth  # noqa: E402
 from pallas_kernels import quantize as qk  # noqa: E402
 
 
@@ -158,26 +159,6 @@ def chain_time(enc, args, n1=2, n2=12, calls=5):
     return (meds[1] - meds[0]) / (n2 - n1)
 
 
-def copy_bandwidth(nbytes=1 << 30):
-    x = jnp.zeros((nbytes // 4,), jnp.int32)
-
-    def make(n):  # x -> x + 1, n times in one jit
-        return jax.jit(lambda a: jax.lax.fori_loop(0, n, lambda i, y: y + 1, a))
-
-    meds = []
-    for n in (2, 12):
-        f = make(n)
-        jax.block_until_ready(f(x))
-        ts = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x))
-            ts.append(time.perf_counter() - t0)
-        meds.append(statistics.median(ts))
-    sec = (meds[1] - meds[0]) / 10
-    return 2 * nbytes / sec
-
-
 VARIANTS = {  # name -> encode options (None: the XLA path)
     "xla": None,
     "pallas gpb2 w4": dict(groups_per_block=2, num_warps=4),
@@ -198,8 +179,8 @@ VARIANTS = {  # name -> encode options (None: the XLA path)
 
 def run_bench(log, tokens=(32768, 131072), variants=None):
     cfg = oj.preset("oscar", bits=2)
-    bw_copy = copy_bandwidth()
-    log(f"copy bandwidth (int32 x+1, 1 GiB, read+write): {bw_copy / 1e12:.3f} TB/s")
+    bw_copy = copy_bandwidth(1 << 30, reps=12, calls=5)
+    log(f"copy bandwidth (x -> -x, 1 GiB, read+write): {bw_copy / 1e12:.3f} TB/s")
     rows = []
     for t in tokens:
         k, v = make_kv(jax.random.PRNGKey(0), (1, 8, t, 128), jnp.bfloat16)

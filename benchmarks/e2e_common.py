@@ -413,16 +413,6 @@ def time_steps(compiled, args, steps=(4, 36), repeats: int = 3, donated: int | N
     return res, args
 
 
-def copy_bandwidth(nbytes: int, device=None) -> float:
-    """Bytes/s of a device-side elementwise pass (read + write), chained in one jit."""
-    x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), device or jax.devices()[0])
-    fn = jax.jit(lambda x, n: jax.lax.fori_loop(0, n, lambda _, y: -y, x))
-    compiled = fn.lower(x, abstract((), jnp.int32, None)).compile()
-    res, _ = time_steps(compiled, [x], steps=(2, 12), repeats=3, donated=None)
-    delete(x)
-    return 2 * nbytes / max(res["ms_per_step"] * 1e-3, 1e-12)
-
-
 # -- device memory ----------------------------------------------------------------------
 def memory_stats(device, limit_override: float | None = None) -> dict:
     """bytes_limit / bytes_in_use of a device (GPU allocator stats; live arrays elsewhere)."""

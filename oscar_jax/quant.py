@@ -121,18 +121,20 @@ def round_to_dtype(x: Array, dtype) -> Array:
 TINY = 2.0**-100  # below this a divisor is pre-scaled by 2**100 (exact) before 1/d
 
 
-def prescaled_reciprocal(d: Array) -> tuple[Array, Array]:
+def prescaled_reciprocal(d: Array, div=jnp.divide) -> tuple[Array, Array]:
     """(p, r) with x / d ~= (x * p) * r: one IEEE reciprocal per divisor, then multiplies.
 
     ``p`` is 2**100 where ``0 < |d| < 2**-100`` (else 1), so ``r = 1 / (d * p)`` never
     overflows, even for subnormal divisors; scaling by p is exact. The encoders (XLA and
     the Pallas kernel) divide tile elements this way, so both compute the same bits with
     one division per row or column instead of one per element. ``d == 0`` gives r = 0.
+    ``div`` is the division to use (the Pallas kernel passes its IEEE ``div.rn``).
     """
     d = d.astype(jnp.float32)
     p = jnp.where(jnp.abs(d) < TINY, jnp.float32(2.0**100), jnp.float32(1.0))
     dp = d * p
-    return p, jnp.where(dp != 0, 1.0 / jnp.where(dp != 0, dp, 1.0), 0.0)
+    nz = dp != 0
+    return p, jnp.where(nz, div(jnp.ones_like(dp), jnp.where(nz, dp, 1.0)), 0.0)
 
 
 def quantize_groups(

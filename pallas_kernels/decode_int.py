@@ -74,37 +74,20 @@ def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, 
 
 def int_kernel(*refs, ring, **kw):
     """Grid (B, H, splits [+1 for the ring]): the last split handles the ring when fused."""
-    quant_part = _int_quant_part
     if not ring:
-        return quant_part(*refs, s_id=pl.program_id(2), **kw)
-    nq_ref, q_ref, kc_ref, ks_ref, kz_ref, kn_ref, vc_ref, vs_ref, vz_ref = refs[:9]
-    n_ref, qp_ref, kr_ref, vr_ref = refs[9:13]
-    acc_ref, m_ref, l_ref = refs[-3:]
+        return _int_quant_part(*refs, s_id=pl.program_id(2), **kw)
+    quant_refs, ring_refs, out_refs = refs[:9], refs[9:13], refs[-3:]
+    n_ref, qp_ref, kr_ref, vr_ref = ring_refs
     last = pl.num_programs(2) - 1
     s_id = pl.program_id(2)
 
     @pl.when(s_id < last)
     def _():
-        quant_part(
-            nq_ref,
-            q_ref,
-            kc_ref,
-            ks_ref,
-            kz_ref,
-            kn_ref,
-            vc_ref,
-            vs_ref,
-            vz_ref,
-            acc_ref,
-            m_ref,
-            l_ref,
-            s_id=s_id,
-            **kw,
-        )
+        _int_quant_part(*quant_refs, *out_refs, s_id=s_id, **kw)
 
     @pl.when(s_id == last)
     def _():
-        _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, bs=ring)
+        _ring_part(n_ref, quant_refs[0], qp_ref, kr_ref, vr_ref, *out_refs, bs=ring)
 
 
 def _int_quant_part(

@@ -226,11 +226,8 @@ def _row_max_abs(ys):
 
 
 def _recip(d, spec: _Spec):
-    """quant.prescaled_reciprocal in the kernel: (p, r) with x / d ~= (x * p) * r."""
-    p = jnp.where(jnp.abs(d) < quant.TINY, jnp.float32(2.0**100), jnp.float32(1.0))
-    dp = d * p
-    nz = dp != 0
-    return p, jnp.where(nz, _div(jnp.ones_like(dp), jnp.where(nz, dp, 1.0), spec), 0.0)
+    """quant.prescaled_reciprocal with the kernel's division: (p, r), x / d ~= (x * p) * r."""
+    return quant.prescaled_reciprocal(d, div=lambda a, b: _div(a, b, spec))
 
 
 def _row_sumsq(ys, m_safe, spec: _Spec):
