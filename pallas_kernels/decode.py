@@ -4,19 +4,19 @@ One program handles one (row b, KV head h, split s): all ``g`` query heads of th
 KV head (padded to ``gp = 16`` MMA rows) against the split's blocks of ``T``
 quantized tokens, so one read of the packed K/V serves every query head.
 
-Keys are never dequantized to the original basis. With ``q' = R q`` (rotated once
-per step in XLA, softmax scale folded in) and key group ``j`` of token ``t``::
+With ``q' = R q`` (rotated once per step in XLA, softmax scale folded in), key group
+``j`` of token ``t`` and value group ``grp``::
 
-    score_t = norm_t * sum_i  dot(plane_i(code_t) * ks_j + kz_j, q'_i)
+    score_t = norm_t * dot(q', code_t * ks_j + kz_j)
+    out[:, grp] = dot(p, code[:, grp] * vs[:, grp] + vz[:, grp])
 
-where plane ``i`` of the planar-packed bytes is channels ``[i P, (i+1) P)``.
-Values fold their per-token scale into the softmax weights, per value group::
-
-    out[:, grp] = dot((p * vs[:, grp])^T, plane(code)) + (sum_t p_t vz[t, grp])
-
-The MMA operands are float16 (codes are exact; the normalised keys lie in
-[-1, 1]; the scaled query and p * vs must stay below 65504); accumulation, softmax
-and the partials are float32. Each split writes (acc, m, l). By default the
+Each packed code tile is dequantized in the tensor-core operand registers it is read
+into (``decode_int._dequant``: bit-pattern int->float and packed 16-bit fmas, inline
+PTX), so nothing but the packed bytes and their parameters crosses memory and no
+tile takes a shared-memory layout change. The key MMA is float16 (the dequantized
+keys and the scaled query must stay below 65504, as for any float16 kernel), the
+value MMA bfloat16 (values of any float32 magnitude); accumulation, softmax and the
+partials are float32. Each split writes (acc, m, l). By default the
 residual ring is the launch's last split (the plain f32 query split into two 16-bit
 halves, so two tensor-core dots give ~f32 accuracy; its acc stays in the original
 basis); XLA merges the splits, un-rotating the quantized splits' weighted sum once.
@@ -27,13 +27,14 @@ through ``oscar_jax.attention.residual_partial`` instead. The kernel assumes an
 unsharded cache (ring slots ``cache.slots``, quantized positions from 0).
 
 Heuristic (``choose_config``): ``T = 64`` tokens per block for the INT kernel (a
-multiple of G; 64 measured faster than 128 at 1 x 128K on the H200, see
-benchmarks/results/decode_notes.md) and 128
-for the BF16 kernel; splits so that ``B * H * splits`` is about ``8 * 132`` programs
-(H200 SMs; 16 blocks per split measured 0.267 ms against 0.309 ms for 32 at
-1 x 128K), at least 4 blocks per split; 3 pipeline stages for the INT kernel (0.250 ms
-against 0.309 ms for 2), 2 for the BF16 kernel. The residual ring is one extra split of
-the same launch (``fuse_ring``). Every field can be overridden by keyword.
+multiple of G; 64 measured faster than 32 and 128 at 1 x 128K on the H200, see
+benchmarks/results/decode_notes.md) and 128 for the BF16 kernel; splits so that
+``B * H * splits`` is about ``8 * 132`` programs (H200 SMs; 16 blocks per split
+beat 8 and 32 at 1 x 128K), at least 4 blocks per split; for the INT kernel 2 warps
+(0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3
+pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
+The residual ring is one extra split of the same launch (``fuse_ring``). Every field
+can be overridden by keyword.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class DecodeConfig:
       group G for quantized caches). blocks_per_split: consecutive blocks one
       program walks. num_warps / num_stages: Triton launch parameters.
     fuse_ring: the residual ring is the last split of the INT launch (else XLA).
+    unpack: code -> 16-bit float unpacking: "asm" (inline PTX, 4 codes per
+      instruction group) or "jnp" (the same bit trick in Pallas ops; interpret mode
+      always uses it).
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -88,7 +92,8 @@ class DecodeConfig:
     num_stages: int = 2
     interpret: bool = False
     fuse_ring: bool = True
-    ablate: str = ""  # benchmark-only: "no_v", "no_kdeq" or "no_dot" (wrong results)
+    unpack: str = "asm"
+    ablate: str = ""  # benchmark-only: "no_v" leaves the value path out (wrong results)
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -99,8 +104,10 @@ class DecodeConfig:
             raise ValueError(f"block_tokens={self.block_tokens} must be a power of two >= 16")
         if not _pow2(self.num_warps):
             raise ValueError(f"num_warps={self.num_warps} must be a power of two")
-        if self.ablate not in ("", "no_v", "no_kdeq", "no_dot"):
-            raise ValueError(f"ablate={self.ablate!r} must be '', 'no_v', 'no_kdeq' or 'no_dot'")
+        if self.ablate not in ("", "no_v"):
+            raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
+        if self.unpack not in ("asm", "jnp"):
+            raise ValueError(f"unpack={self.unpack!r} must be 'asm' or 'jnp'")
         for name in ("fuse_ring",):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
@@ -125,6 +132,7 @@ def choose_config(
     kw = dict(
         block_tokens=t,
         blocks_per_split=bps,
+        num_warps=2 if group > 1 else 4,
         num_stages=3 if group > 1 else 2,
         interpret=not on_gpu(),
     )
@@ -175,6 +183,7 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         bps=bps,
         d=d,
         ablate=cfg.ablate,
+        asm=not cfg.interpret and cfg.unpack == "asm",
         ring=ring,
     )
 
@@ -277,7 +286,8 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     if g > GP:
         raise ValueError(f"GQA ratio num_q_heads/num_kv_heads={g} must be <= {GP}")
     scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
-    qg = q.astype(jnp.float32).reshape(b, h, g, d)
+    f32 = jnp.float32
+    qg = q.astype(f32).reshape(b, h, g, d)
     if not kcfg.quantized:
         from pallas_kernels import decode_bf16
 
@@ -291,7 +301,7 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
         unrot = (lambda x: hadamard.unrotate(x, kcfg)) if kcfg.rotate_values else None
         acc, m, lsum = merge_splits(
             *quantized_partials(
-                pad_query(q_rot * scale), cache, cfg, pad_query(qg * scale, jnp.float32)
+                pad_query(q_rot * scale, f32), cache, cfg, pad_query(qg * scale, f32)
             ),
             last_basis=unrot,
         )
@@ -301,7 +311,7 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     parts = [residual_partial(qg, cache, scale)]
     if cache.quant_capacity:
         q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
-        acc, m, lsum = merge_splits(*quantized_partials(pad_query(q_rot * scale), cache, cfg))
+        acc, m, lsum = merge_splits(*quantized_partials(pad_query(q_rot * scale, f32), cache, cfg))
         acc, m, lsum = acc[:, :, :g], m[:, :, :g], lsum[:, :, :g]
         if kcfg.rotate_values:
             acc = hadamard.unrotate(acc, kcfg)

@@ -90,6 +90,85 @@ def int_kernel(*refs, ring, **kw):
         _ring_part(n_ref, quant_refs[0], qp_ref, kr_ref, vr_ref, *out_refs, bs=ring)
 
 
+def _magic(x, shift, mask, dtype=jnp.bfloat16):
+    """Packed uint8 codes -> bfloat16 ``128 + code`` by bit pattern, no int->float convert.
+
+    ``0x4300`` is bfloat16 128.0 with unit spacing in [128, 256), so or-ing a code below
+    128 into its mantissa gives ``128 + code`` exactly: two integer ops per element in
+    place of a quarter-rate I2F conversion.
+    """
+    base = 0x4300 if dtype == jnp.bfloat16 else 0x6400  # 128.0 bf16, 1024.0 f16
+    bits16 = ((x >> shift) & mask).astype(jnp.uint16) | jnp.uint16(base)
+    return jax.lax.bitcast_convert_type(bits16, dtype)
+
+
+def _planes_asm(x, bits, sub128, dtype=jnp.bfloat16, scale=None, zero=None):
+    """The 8 / bits planes of a uint8 code tile as 16-bit floats, 4 bytes per PTX instance.
+
+    Per plane and 32-bit word: one shift, one and, two byte permutes that interleave
+    the codes with the exponent byte of ``base`` (``base + code``: 128 in bfloat16,
+    1024 in float16), with ``sub128`` one packed fma per pair that subtracts ``base``
+    exactly, and with per-plane ``scale`` / ``zero`` tiles (x's shape, ``dtype``) one
+    more packed fma: ``code * scale + zero``. One asm op per plane: Pallas' lowering
+    takes single-result inline asm only.
+    """
+    from jax.experimental.pallas import triton as plgpu
+
+    mask = ((1 << bits) - 1) * 0x01010101
+    out = jax.ShapeDtypeStruct(x.shape, dtype)
+    if dtype == jnp.bfloat16:  # fill byte, 1.0 and -base as packed pairs, PTX type
+        fill, one, neg, ty = 0x43434343, 0x3F803F80, 0xC300C300, "bf16x2"
+    else:
+        fill, one, neg, ty = 0x64646464, 0x3C003C00, 0xE400E400, "f16x2"
+    planes = []
+    for i in range(8 // bits):
+        lines = [
+            "{",
+            ".reg .b32 t, one, neg;",
+            f"shr.b32 t, $2, {bits * i};",
+            f"and.b32 t, t, {mask:#x};",
+            f"prmt.b32 $0, t, {fill:#x}, 0x4140;",
+            f"prmt.b32 $1, t, {fill:#x}, 0x4342;",
+        ]
+        if sub128 or scale is not None:
+            lines += [
+                f"mov.b32 one, {one:#x};",
+                f"mov.b32 neg, {neg:#x};",
+                f"fma.rn.{ty} $0, $0, one, neg;",
+                f"fma.rn.{ty} $1, $1, one, neg;",
+            ]
+        args, cons = [x], "=r,=r,r"
+        if scale is not None:
+            lines += [f"fma.rn.{ty} $0, $0, $3, $5;", f"fma.rn.{ty} $1, $1, $4, $6;"]
+            args, cons = [x, scale[i], zero[i]], "=r,=r,r,r,r,r,r"
+        lines.append("}")
+        (plane,) = plgpu.elementwise_inline_asm(
+            "\n".join(lines), args=args, constraints=cons, pack=4, result_shape_dtypes=[out]
+        )
+        planes.append(plane)
+    return planes
+
+
+def _dequant(x, bits, asm, dtype, scale, zero):
+    """Planes of ``code * scale + zero`` in ``dtype`` (one rounding: a fused multiply-add)."""
+    if asm:
+        return _planes_asm(x, bits, True, dtype, scale, zero)
+    return [
+        p * sc + z
+        for p, sc, z in zip(_planes(x, bits, True, False, dtype), scale, zero, strict=True)
+    ]
+
+
+def _planes(x, bits, sub128, asm, dtype=jnp.bfloat16):
+    """[..] uint8 -> 8 / bits planes: code (sub128) or base + code (128 bf16, 1024 f16)."""
+    if asm:
+        return _planes_asm(x, bits, sub128, dtype)
+    mask = (1 << bits) - 1
+    out = [_magic(x, bits * i, mask, dtype) for i in range(8 // bits)]
+    base = jnp.asarray(128.0 if dtype == jnp.bfloat16 else 1024.0, dtype)
+    return [o - base for o in out] if sub128 else out
+
+
 def _int_quant_part(
     nq_ref,
     q_ref,
@@ -112,15 +191,17 @@ def _int_quant_part(
     bps,
     d,
     ablate="",
+    asm=False,
 ):
-    """Scores as [GP, T] (query rows = MMA rows), so p feeds the value dot from registers.
+    """One block of T tokens = T / G key groups, one online-softmax step per block.
 
-    With the query heads as the M side of both dots (as in flash attention), p never
-    goes through shared memory, and the per-token value scale is a [1, T] row. The
-    value dot takes bfloat16 operands (p * vs and the exact codes): float16 overflowed
-    for value scales above 65504 and lost precision below its normal range (6e-5).
-    Measured offline (ptxas -v of the lowered IR, 4 warps, T = 64): 80 registers with
-    the value path removed, 176 for the [T, GP] formulation with it.
+    Both operands are dequantized where the MMA reads them: the packed codes come
+    from shared memory straight into the tensor-core operand layout and become
+    ``code * scale + zero`` by bit pattern and packed 16-bit fmas (``_dequant``): no
+    int->float conversion, no float32 round trip, no shared-memory layout change. Keys
+    are float16 (the query, loaded once, is the invariant A operand), values bfloat16
+    (range: float16 overflowed above 65504); p enters the value dot once per group for
+    all planes. Scores are [GP, G] with the query heads as MMA rows.
     """
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
     c = 8 // bits
@@ -128,67 +209,69 @@ def _int_quant_part(
     w = min(p_w, gv)  # channels per value chunk (one value group)
     nchunk = p_w // w
     ngt = t // g
-    mask = (1 << bits) - 1
     nq = nq_ref[0]
     start = s_id * bps * t
     nblk = jnp.clip((nq - start + t - 1) // t, 0, bps)
     nt = (((1,), (1,)), ((), ()))  # x @ y.T
     nn = (((1,), (0,)), ((), ()))  # x @ y
+    qs = [q_ref[:, pl.ds(i * p_w, p_w)].astype(f16) for i in range(c)]  # [GP, P] each
+
+    def scores(gi, t0):
+        """[GP, G] scores (invalid tokens at NEG) of key group gi starting at token t0."""
+        kb = kc_ref[gi, :, :]  # [G, P] uint8
+        shp = (g, p_w)
+        ks = [jnp.broadcast_to(ks_ref[pl.ds(gi, 1), pl.ds(i * p_w, p_w)].astype(f16), shp)
+              for i in range(c)]  # [G, P] per plane  # fmt: skip
+        kz = [jnp.broadcast_to(kz_ref[pl.ds(gi, 1), pl.ds(i * p_w, p_w)].astype(f16), shp)
+              for i in range(c)]  # fmt: skip
+        kh = _dequant(kb, bits, asm, f16, ks, kz)  # [G, P] f16 keys per plane, MMA layout
+        s = jnp.zeros((GP, g), f32)
+        for i in range(c):
+            s = s + jax.lax.dot_general(qs[i], kh[i], nt, preferred_element_type=f32)
+        s = s * kn_ref[pl.ds(t0, g)].astype(f32)[None, :]
+        valid = t0 + jax.lax.broadcasted_iota(jnp.int32, (GP, g), 1) < nq
+        return jnp.where(valid, s, NEG), valid
 
     def body(it, carry):
-        m_prev, l_prev, accs, zs = carry
+        m_prev, l_prev, accs = carry
         t0 = pl.multiple_of(start + it * t, t)
-        g0 = pl.multiple_of(t0 // g, ngt)
-        kb = kc_ref[pl.ds(g0, ngt), :, :]  # [NGt, G, P] uint8
-        s = jnp.zeros((GP, t), f32)
-        for i in range(c):
-            ks = ks_ref[pl.ds(g0, ngt), pl.ds(i * p_w, p_w)].astype(f32)
-            kz = kz_ref[pl.ds(g0, ngt), pl.ds(i * p_w, p_w)].astype(f32)
-            code = ((kb >> (bits * i)) & mask).astype(f32)
-            if ablate == "no_kdeq":
-                kh = code.reshape(t, p_w)
-            else:
-                kh = (code * ks[:, None, :] + kz[:, None, :]).reshape(t, p_w)  # [T, P]
-            if ablate == "no_dot":
-                s = s + jnp.sum(kh, axis=1)[None, :]
-                continue
-            qi = q_ref[:, pl.ds(i * p_w, p_w)]  # [GP, P] f16
-            s = s + jax.lax.dot_general(qi, kh.astype(f16), nt, preferred_element_type=f32)
-        s = s * kn_ref[pl.ds(t0, t)].astype(f32)[None, :]
-        valid = t0 + jax.lax.broadcasted_iota(jnp.int32, (GP, t), 1) < nq
-        s = jnp.where(valid, s, NEG)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        sv = [scores(t0 // g + j, t0 + j * g) for j in range(ngt)]
+        m_new = m_prev
+        for s, _ in sv:
+            m_new = jnp.maximum(m_new, jnp.max(s, axis=1))
         corr = jnp.exp(m_prev - m_new)
-        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)  # [GP, T]
-        l_new = l_prev * corr + jnp.sum(p, axis=1)
+        ps = [jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0) for s, valid in sv]  # [GP, G]
+        l_new = l_prev * corr
+        for p in ps:
+            l_new = l_new + jnp.sum(p, axis=1)
         if ablate == "no_v":
-            return m_new, l_new, accs, zs
-        new_accs = [None] * (c * nchunk)
-        for j in range(nchunk):
-            vb = vc_ref[pl.ds(t0, t), pl.ds(j * w, w)]  # [T, W] uint8
-            for i in range(c):
-                k = i * nchunk + j
-                vs = vs_ref[pl.ds(t0, t), (i * p_w + j * w) // gv].astype(f32)  # [T]
-                wt = (p * vs[None, :]).astype(bf16)  # [GP, T]
-                code = ((vb >> (bits * i)) & mask).astype(bf16)
-                pv = jax.lax.dot_general(wt, code, nn, preferred_element_type=f32)  # [GP, W]
-                new_accs[k] = accs[k] * corr[:, None] + pv
-        new_zs = []
-        for grp in range(d // gv):
-            vz = vz_ref[pl.ds(t0, t), grp].astype(f32)  # [T]
-            new_zs.append(zs[grp] * corr + jnp.sum(p * vz[None, :], axis=1))
-        return m_new, l_new, tuple(new_accs), tuple(new_zs)
+            return m_new, l_new, accs
+        new_accs = [a * corr[:, None] for a in accs]
+        for jg, p in enumerate(ps):
+            tg = t0 + jg * g
+            pb = p.astype(bf16)  # one operand conversion per group, shared by every plane
+            for j in range(nchunk):
+                grps = [(i * p_w + j * w) // gv for i in range(c)]
+                vs = [jnp.broadcast_to(vs_ref[pl.ds(tg, g), q].astype(bf16)[:, None], (g, w))
+                      for q in grps]  # [G, W] per plane  # fmt: skip
+                vz = [jnp.broadcast_to(vz_ref[pl.ds(tg, g), q].astype(bf16)[:, None], (g, w))
+                      for q in grps]  # fmt: skip
+                vh = _dequant(vc_ref[pl.ds(tg, g), pl.ds(j * w, w)], bits, asm, bf16, vs, vz)
+                for i in range(c):
+                    k = i * nchunk + j
+                    new_accs[k] = new_accs[k] + jax.lax.dot_general(
+                        pb, vh[i], nn, preferred_element_type=f32
+                    )  # [GP, W]
+        return m_new, l_new, tuple(new_accs)
 
     init = (
         jnp.full((GP,), NEG, f32),
         jnp.zeros((GP,), f32),
         tuple(jnp.zeros((GP, w), f32) for _ in range(c * nchunk)),
-        tuple(jnp.zeros((GP,), f32) for _ in range(d // gv)),
     )
-    m, lsum, accs, zs = jax.lax.fori_loop(0, nblk, body, init)
+    m, lsum, accs = jax.lax.fori_loop(0, nblk, body, init)
     for i in range(c):
         for j in range(nchunk):
-            ch0 = i * p_w + j * w
-            acc_ref[:, pl.ds(ch0, w)] = accs[i * nchunk + j] + zs[ch0 // gv][:, None]
+            acc_ref[:, pl.ds(i * p_w + j * w, w)] = accs[i * nchunk + j]
     m_ref[...] = m
     l_ref[...] = lsum

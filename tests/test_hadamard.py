@@ -69,3 +69,19 @@ class HadamardTest(parameterized.TestCase):
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+@pytest.mark.parametrize("extra_rows", [-1, 3])
+def test_rotate_dense_and_butterfly_paths_agree(extra_rows):
+    """Few rows take a dense matmul, many the butterflies: both are R x (float32 tolerance)."""
+    from oscar_jax import hadamard
+
+    d = 64
+    rows = hadamard.DENSE_ROWS + extra_rows
+    cfg = oj.preset("oscar", bits=2)
+    x = jax.random.normal(jax.random.PRNGKey(7), (rows, d), jnp.float32)
+    r = np.asarray(hadamard.hadamard_matrix(d), np.float64)
+    want = np.asarray(x, np.float64) @ r.T
+    got = hadamard.rotate(x, cfg)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(hadamard.unrotate(got, cfg)), np.asarray(x), atol=1e-5)
