@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import oscar_jax as oj  # noqa: E402
 from benchmarks.bench_decode import copy_bandwidth  # noqa: E402
+from oscar_jax import hadamard  # noqa: E402
 from pallas_kernels import quantize as qk  # noqa: E402
 
 
@@ -159,8 +160,9 @@ def chain_time(enc, args, n1=2, n2=12, calls=5):
     return (meds[1] - meds[0]) / (n2 - n1)
 
 
-VARIANTS = {  # name -> encode options (None: the XLA path)
+VARIANTS = {  # name -> encode options (None: the XLA path; "dense": XLA, matmul rotation)
     "xla": None,
+    "xla dense": "dense",
     "pallas gpb2 w4": dict(groups_per_block=2, num_warps=4),
     "pallas gpb1 w4": dict(groups_per_block=1, num_warps=4),
     "pallas gpb4 w4": dict(groups_per_block=4, num_warps=4),
@@ -187,11 +189,14 @@ def run_bench(log, tokens=(32768, 131072), variants=None):
         ek, ev = oj.encode_keys_xla(k, cfg), oj.encode_values_xla(v, cfg)
         nbytes = 2 * k.nbytes + sum(x.nbytes for x in (*ek, *ev))
         for name, opts in (variants or VARIANTS).items():
-            if opts is None:
+            if opts is None or opts == "dense":
                 enc = lambda k, v: (oj.encode_keys_xla(k, cfg), oj.encode_values_xla(v, cfg))
             else:
                 enc = lambda k, v, o=opts: qk.encode(k, v, cfg, interpret=False, **o)
+            dense_rows = hadamard.DENSE_ROWS
             try:
+                if opts == "dense":  # the rotation as one [D, D] matmul instead of butterflies
+                    hadamard.DENSE_ROWS = 1 << 62
                 sec = chain_time(enc, (k, v))
                 row = dict(
                     T=t,
@@ -203,6 +208,8 @@ def run_bench(log, tokens=(32768, 131072), variants=None):
                 )
             except Exception as e:
                 row = dict(T=t, variant=name, error=f"{type(e).__name__}: {str(e)[:800]}")
+            finally:
+                hadamard.DENSE_ROWS = dense_rows
             log(json.dumps(row))
             rows.append(row)
     return dict(copy_tbps=bw_copy / 1e12, rows=rows)
