@@ -5,7 +5,7 @@ projections, MLPs, logits; nothing downloaded), caches selected by preset and at
 kernel (``--caches bf16,oscar2``: BF16 and OScaR INT2, with ``--impl``, default our Pallas
 kernels; ``bf16:cudnn`` / ``bf16:xla`` add other BF16 attentions, the fastest BF16 one is
 compared). The decode program is ``models.generate``'s per-step ``_decode`` (all layers,
-the lax.scan over layers, greedy sampling) in a device loop over a cache filled to the
+unrolled over per-layer caches, greedy sampling) in a device loop over caches filled to the
 context (see ``e2e_common``): no long forward pass except in ``prefill32k``.
 
 Workloads (``--workloads``, run in the given order; ``--budget-s`` skips the rest):
@@ -20,7 +20,7 @@ Workloads (``--workloads``, run in the given order; ``--budget-s`` skips the res
   full - (attention skipped); cache update + carry = (attention skipped) - (attention
   skipped, 256-token cache); projections + MLP = that - (final norm, logits and argmax
   alone); ``--breakdown-carry`` splits the append from carrying the caches through the
-  layer scan (a variant with neither append nor attention).
+  layers (a variant with neither append nor attention).
 * ``tp48x4k``: tokens/s at batch 48, context 4K.
 * ``prefill32k``: a real 32K-token forward (compiled once per model) + the cache fill
   (``oscar_jax.prefill``: quantization for INT2) per cache and encoder (``--prefill-
@@ -326,22 +326,18 @@ class Bench:
 
 
 def decode_carry_only(st: ec.gen.Static, params, caches, tok, pos):
-    """Breakdown variant of ``generate._decode`` (no mesh): no append and no attention, but the
-    stacked caches still pass through the scan over layers (what carrying them costs)."""
+    """Breakdown variant of ``generate._decode`` (no mesh): no append and no attention; the
+    per-layer caches pass through the step untouched (what carrying them costs)."""
     mc = st.model
     b = tok.shape[0]
     x = layers.embed(params, tok[:, None])
-
-    def layer(x, inp):
-        lp, c = inp
+    for i in range(len(caches)):
+        lp = ec.gen.layer_params(params, i, after=x)
         hn = layers.rms_norm(x, lp["attn_norm"], mc.rms_norm_eps)
         q, _, _ = layers.qkv(mc, lp, hn, pos[:, None])
         x = x + layers.dense(q.reshape(b, 1, mc.q_size).astype(x.dtype), lp["wo"], lp.get("bo"))
         x = x + layers.mlp(lp, layers.rms_norm(x, lp["mlp_norm"], mc.rms_norm_eps))
-        return x, c
-
-    x, caches = jax.lax.scan(layer, x, (params["layers"], caches))
-    return layers.lm_head(mc, params, x[:, 0]), caches
+    return layers.lm_head(mc, params, x[:, 0]), tuple(caches)
 
 
 def _head_loop(cfg, params, x, n):

@@ -12,10 +12,11 @@
   lengths only). The decode kernels do the same work for any content.
 * Timing: one jitted program runs ``n`` (a traced scalar: one compile for every ``n``)
   decode steps of ``models.generate``'s step (``_decode``, greedy argmax) in a loop on the
-  device, carrying the donated cache, and resets the lengths at the end so every call
-  decodes at the same context. Per-step time = (T(n2) - T(n1)) / (n2 - n1), medians over
-  repeats, which removes dispatch and the fixed costs; compile time is measured apart
-  (``lower`` + ``compile``), with the compiled program's memory analysis.
+  device, carrying the donated caches (one per layer, updated in place), and resets the
+  lengths at the end so every call decodes at the same context. Per-step time =
+  (T(n2) - T(n1)) / (n2 - n1), medians over repeats, which removes dispatch and the fixed
+  costs; compile time is measured apart (``lower`` + ``compile``), with the compiled
+  program's memory analysis.
 """
 
 from __future__ import annotations
@@ -192,13 +193,15 @@ def tree_nbytes(tree) -> int:
 
 def abstract_caches(cfg, kv, batch, max_len, mesh=None, ax=osh.AXES, device=None,
                     dtype=jnp.bfloat16):  # fmt: skip
-    """The stacked caches [L, ...] as ShapeDtypeStructs carrying their shardings."""
-    shapes = memory.abstract_caches(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
+    """The per-layer caches (tuple of L [B, ...]) as ShapeDtypeStructs carrying shardings."""
+    shapes = memory.abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
     if mesh is None:
         sh = SingleDeviceSharding(device or jax.devices()[0])
-        return jax.tree_util.tree_map(lambda s: abstract(s.shape, s.dtype, sh), shapes)
-    shards = osh.cache_shardings(shapes, mesh, ax, leading_axes=1)
-    return jax.tree_util.tree_map(lambda s, h: abstract(s.shape, s.dtype, h), shapes, shards)
+        one = jax.tree_util.tree_map(lambda s: abstract(s.shape, s.dtype, sh), shapes)
+    else:
+        shards = osh.cache_shardings(shapes, mesh, ax)
+        one = jax.tree_util.tree_map(lambda s, h: abstract(s.shape, s.dtype, h), shapes, shards)
+    return (one,) * cfg.num_layers
 
 
 def _random_field(salt: int, s, name):
@@ -217,11 +220,12 @@ def _random_field(salt: int, s, name):
 
 @functools.lru_cache(maxsize=64)
 def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int):
-    """One jitted cache allocator per (shapes, shardings, fill): n_tokens is an argument."""
-    shapes = jax.tree_util.tree_unflatten(tree, leaves)
+    """One jitted allocator per (shapes, shardings, fill) of the per-layer caches: n_tokens
+    is an argument."""
+    caches = jax.tree_util.tree_unflatten(tree, leaves)
     names = [f.name for f in dataclasses.fields(oj.KVCache) if f.name not in ("cfg", "max_len")]
 
-    def build(n_tokens):
+    def one(shapes, layer, n_tokens):
         vals = {}
         for i, name in enumerate(names):
             s = getattr(shapes, name)
@@ -230,14 +234,18 @@ def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int):
             elif name == "flags" or zeros:
                 vals[name] = jnp.zeros(s.shape, s.dtype)
             else:
-                vals[name] = _random_field(100 * seed + i, s, name)
+                vals[name] = _random_field(100 * seed + i + 10_000 * layer, s, name)
         return oj.KVCache(**vals, cfg=shapes.cfg, max_len=shapes.max_len)
 
-    return jax.jit(build, out_shardings=jax.tree_util.tree_map(lambda s: s.sharding, shapes))
+    def build(n_tokens):
+        return tuple(one(c, layer, n_tokens) for layer, c in enumerate(caches))
+
+    return jax.jit(build, out_shardings=jax.tree_util.tree_map(lambda s: s.sharding, caches))
 
 
-def make_caches(shapes: oj.KVCache, n_tokens: int, fill: str = "random", seed: int = 0):
-    """Allocate the caches of ``shapes`` (abstract, with shardings) holding n_tokens per row.
+def make_caches(shapes, n_tokens: int, fill: str = "random", seed: int = 0):
+    """Allocate the per-layer caches of ``shapes`` (``abstract_caches``: a tuple, with
+    shardings) holding n_tokens per row.
 
     ``fill``: "random" (random field contents), "zeros" (lengths only) or "encode"
     (``oscar_jax.prefill`` of random N(0, 1) K/V, one layer and a few rows at a time).
@@ -254,34 +262,37 @@ def make_caches(shapes: oj.KVCache, n_tokens: int, fill: str = "random", seed: i
     return caches
 
 
-def encode_fill(caches: oj.KVCache, n_tokens: int, seed: int = 0, chunk_tokens: int = 1 << 17):
-    """Real ``oscar_jax.prefill`` of random K/V into every layer, rows in chunks (in place)."""
-    L, b, h, _, d = caches.k_res.shape  # stacked [L, B, H, S, D]
+def encode_fill(caches, n_tokens: int, seed: int = 0, chunk_tokens: int = 1 << 17):
+    """Real ``oscar_jax.prefill`` of random K/V into every layer's cache, rows in chunks (in
+    place; one compiled program, called per layer)."""
+    c0 = caches[0]
+    b, h, _, d = c0.k_res.shape  # per layer [B, H, S, D]
     rb = max(1, min(b, chunk_tokens // max(n_tokens, 1)))
     while b % rb:
         rb -= 1
-    shard = jax.tree_util.tree_map(lambda x: x.sharding, caches)
+    shard = jax.tree_util.tree_map(lambda x: x.sharding, c0)
 
-    def run(caches, key):
+    def run(cache, key):
         def one(i, c):
-            layer, r0 = i // (b // rb), (i % (b // rb)) * rb
+            r0 = i * rb
             kk, kv_ = jax.random.split(jax.random.fold_in(key, i))
-            k = jax.random.normal(kk, (rb, n_tokens, h, d), jnp.float32).astype(caches.dtype)
-            v = jax.random.normal(kv_, (rb, n_tokens, h, d), jnp.float32).astype(caches.dtype)
-            part = oj.prefill(oj.init_cache(caches.cfg, batch=rb, max_len=caches.max_len,
-                                            num_kv_heads=h, head_dim=d, dtype=caches.dtype),
+            k = jax.random.normal(kk, (rb, n_tokens, h, d), jnp.float32).astype(c0.dtype)
+            v = jax.random.normal(kv_, (rb, n_tokens, h, d), jnp.float32).astype(c0.dtype)
+            part = oj.prefill(oj.init_cache(c0.cfg, batch=rb, max_len=c0.max_len,
+                                            num_kv_heads=h, head_dim=d, dtype=c0.dtype),
                               k, v)  # fmt: skip
 
             def put(dst, src):
-                idx = (layer, r0) + (0,) * (dst.ndim - 2)
-                return jax.lax.dynamic_update_slice(dst, src[None].astype(dst.dtype), idx)
+                idx = (r0,) + (0,) * (dst.ndim - 1)
+                return jax.lax.dynamic_update_slice(dst, src.astype(dst.dtype), idx)
 
             return jax.tree_util.tree_map(put, c, part)
 
-        return jax.lax.fori_loop(0, L * (b // rb), one, caches)
+        return jax.lax.fori_loop(0, b // rb, one, cache)
 
     fn = jax.jit(run, donate_argnums=0, out_shardings=shard)
-    return fn(caches, jax.random.key(seed + 1))
+    key = jax.random.key(seed + 1)
+    return tuple(fn(c, jax.random.fold_in(key, layer)) for layer, c in enumerate(caches))
 
 
 def delete(tree) -> None:
@@ -303,8 +314,8 @@ def _decode_loop(st: gen.Static, params, caches, tok, forced, n_forced, n, step=
     largest logits of the first ``HISTORY`` steps, [B, HISTORY] each (two reductions over the
     vocabulary per step: negligible next to the weights).
     """
-    l0, f0 = caches.lengths, caches.flags
-    pos0 = l0[0]
+    lf0 = [(c.lengths, c.flags) for c in caches]  # per layer [B] each
+    pos0 = lf0[0][0]  # [B]
     b, s = forced.shape
     row = P(st.axes.data, None)
     hist = tuple(msh.constrain(jnp.zeros((b, s), dt), st.mesh, row)
@@ -324,7 +335,8 @@ def _decode_loop(st: gen.Static, params, caches, tok, forced, n_forced, n, step=
         return caches, msh.constrain(nxt, st.mesh, P(st.axes.data)), hist
 
     caches, tok, hist = jax.lax.fori_loop(0, n, body, (caches, tok, hist))
-    caches = dataclasses.replace(caches, lengths=l0, flags=f0)
+    caches = tuple(dataclasses.replace(c, lengths=l0, flags=f0)
+                   for c, (l0, f0) in zip(caches, lf0, strict=True))  # fmt: skip
     return msh.constrain_caches(caches, st.mesh, st.axes), tok, hist
 
 

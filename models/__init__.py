@@ -15,6 +15,7 @@ from models.generate import (
     generate,
     generate_stepwise,
     prefill,
+    stack_caches,
     trace_count,
 )
 from models.loading import from_pretrained, load_config
@@ -26,6 +27,6 @@ __all__ = [
     "CausalLM", "ModelConfig", "abstract_caches", "abstract_model", "abstract_nbytes",
     "bucket_length", "decode_step", "fold_value_rotation", "format_table", "from_hf_config",
     "from_pretrained", "generate", "generate_stepwise", "llama31_8b", "load_config",
-    "memory_table", "prefill", "qwen3_8b", "rope_inv_freq", "trace_count", "STOP_REASONS",
-    "describe_stops",
+    "memory_table", "prefill", "qwen3_8b", "rope_inv_freq", "stack_caches", "trace_count",
+    "STOP_REASONS", "describe_stops",
 ]  # fmt: skip

@@ -2,11 +2,10 @@
 
 One ``jax.jit`` covers the whole call: the prompt (right-padded to a length
 bucket) runs through the layers with full-precision causal attention; its
-post-RoPE keys and (rotation-folded) values fill one cache per layer, stacked
-on a leading layer axis (``jax.vmap`` of ``init_cache`` + ``prefill``); then a
-``lax.scan`` over the new tokens carries (cache, last token, PRNG key, per-row
-stop state) and per step runs every layer with ``lax.scan`` over (layer params,
-layer cache): ``append`` the token's K/V, ``decode_attention`` of its query.
+post-RoPE keys and (rotation-folded) values fill one cache per layer (a tuple of
+L ``KVCache``s); then a ``lax.scan`` over the new tokens carries (caches, last
+token, PRNG key, per-row stop state) and per step runs ``models.step._decode``: the
+layers unrolled over their caches, each updated in place (see ``models.step``).
 
 Stopping: a row stops at a stop token, or as soon as its caches are flagged
 (``FLAG_*`` of ``oscar_jax.cache``, OR-ed over layers) or its logits are not
@@ -18,8 +17,8 @@ With ``mesh=`` (a ``jax.sharding.Mesh`` with axes data / model / sequence) the
 same program runs sharded in the layout of ``models.sharding``: params and
 inputs are placed on the mesh, the per-layer step calls
 ``oscar_jax.sharding.sharded_append`` / ``sharded_decode_attention``, and the
-stacked caches are pinned to their layout (``with_sharding_constraint``) after
-prefill and after every step, so the ``lax.scan`` carry keeps its shardings.
+caches are pinned to their layout (``with_sharding_constraint``) after prefill and
+after every step, so the ``lax.scan`` carry keeps its shardings.
 
 Compilation is keyed by (batch, prompt bucket, max_new_tokens, cache length,
 configs, sampling mode): prompts of different lengths in one bucket and
@@ -39,10 +38,19 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import oscar_jax as oj
-from models import layers, stopping
 from models import sharding as msh
+from models import stopping
 from models.config import ModelConfig
 from models.model import CausalLM
+from models.step import (  # noqa: F401  (re-exported: used by the benchmarks)
+    Static,
+    _decode,
+    _layer,
+    _prefill,
+    layer_params,
+    stack_caches,
+    unstack_caches,
+)
 from models.stopping import (  # noqa: F401  (re-exported: generate's info["stop_reason"])
     FLAG_STOP,
     STOP_BAD_LENGTH,
@@ -70,78 +78,6 @@ def bucket_length(t: int) -> int:
     return -(-t // 64) * 64
 
 
-class Static(NamedTuple):
-    """Everything that decides shapes and code paths (a jit static argument)."""
-
-    model: ModelConfig
-    kv: oj.KVQuantConfig  # the cache's config (value rotation already folded)
-    max_len: int
-    cache_dtype: str
-    implementation: str
-    encode_implementation: str
-    greedy: bool
-    top_k: int | None
-    use_top_p: bool
-    stop_tokens: tuple[int, ...]
-    pad_id: int
-    mesh: Mesh | None = None  # sharded run (models.sharding's layout) when set
-    axes: osh.MeshAxes = osh.AXES
-
-
-# -- building blocks (pure, traced) -------------------------------------------------
-def _prefill(st: Static, params, ids, lengths):
-    """Prompt [B, T] -> (logits at lengths-1 [B, V] float32, stacked caches [L, ...])."""
-    mc = st.model
-    b, t = ids.shape
-    ax = st.axes
-    valid = jnp.arange(t)[None, :] < lengths[:, None]
-    x, (k, v) = layers.forward(mc, params, ids, valid=valid, keep_kv=True)
-    kv_spec = P(None, ax.data, None, ax.model, None)  # [L, B, T, Hkv, D]
-    k, v = msh.constrain(k, st.mesh, kv_spec), msh.constrain(v, st.mesh, kv_spec)
-    last = x[jnp.arange(b), lengths - 1]
-    logits = layers.lm_head(mc, params, last)
-
-    def one(k_l, v_l):
-        c = oj.init_cache(
-            st.kv, batch=b, max_len=st.max_len, num_kv_heads=mc.num_kv_heads,
-            head_dim=mc.head_dim, dtype=jnp.dtype(st.cache_dtype),
-        )  # fmt: skip
-        return oj.prefill(c, k_l, v_l, lengths, implementation=st.encode_implementation)
-
-    logits = msh.constrain(logits, st.mesh, P(ax.data, None))
-    return logits, msh.constrain_caches(jax.vmap(one)(k, v), st.mesh, ax)
-
-
-def _decode(st: Static, params, caches, tok, pos):
-    """One new token per row: tok [B] at positions pos [B] -> (logits [B, V], caches)."""
-    mc, mesh, ax = st.model, st.mesh, st.axes
-    b = tok.shape[0]
-    caches = msh.constrain_caches(caches, mesh, ax)
-    x = layers.embed(params, tok[:, None])  # [B, 1, Hd]
-    x_spec = P(ax.data, None, None)
-
-    def layer(x, inp):
-        lp, c = inp
-        x = msh.constrain(x, mesh, x_spec)
-        hn = layers.rms_norm(x, lp["attn_norm"], mc.rms_norm_eps)
-        q, k, v = layers.qkv(mc, lp, hn, pos[:, None])
-        if mesh is None:
-            c = oj.append(c, k[:, 0], v[:, 0], implementation=st.encode_implementation)
-            o = oj.decode_attention(q[:, 0], c, implementation=st.implementation)
-        else:
-            c = osh.sharded_append(c, k[:, 0], v[:, 0], mesh, ax=ax,
-                                   implementation=st.encode_implementation)  # fmt: skip
-            o = osh.sharded_decode_attention(q[:, 0], c, mesh, ax=ax)
-        x = x + layers.dense(o.reshape(b, 1, mc.q_size).astype(x.dtype), lp["wo"], lp.get("bo"))
-        x = msh.constrain(x, mesh, x_spec)
-        x = x + layers.mlp(lp, layers.rms_norm(x, lp["mlp_norm"], mc.rms_norm_eps))
-        return x, c
-
-    x, caches = jax.lax.scan(layer, x, (params["layers"], caches))
-    logits = msh.constrain(layers.lm_head(mc, params, x[:, 0]), mesh, P(ax.data, None))
-    return logits, msh.constrain_caches(caches, mesh, ax)
-
-
 def _sample(st: Static, logits, key, temperature, top_p):
     if st.greedy:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -160,7 +96,7 @@ def _sample(st: Static, logits, key, temperature, top_p):
 
 
 def _layer_flags(caches):
-    return jnp.bitwise_or.reduce(caches.flags, axis=0)  # [L, B] -> [B]
+    return functools.reduce(jnp.bitwise_or, [c.flags for c in caches])  # [B] OR-ed over layers
 
 
 def _next(st: Static, logits, key, s: stopping.StopState, flags, temperature, top_p):
@@ -192,7 +128,7 @@ def _generate_jit(st: Static, n_new: int, params, ids, lengths, key, temperature
     out = jnp.concatenate([tok0[:, None], toks.T], axis=1)
     info = dict(
         flags=_layer_flags(caches),
-        cache_lengths=caches.lengths[0],
+        cache_lengths=caches[0].lengths,
         done=s.done,
         stop_reason=s.reason,
         num_tokens=s.count,
@@ -206,10 +142,13 @@ def _prefill_jit(st: Static, params, ids, lengths):
     return _prefill(st, params, ids, lengths)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _step_jit(st: Static, params, caches, tok, pos):
+def _step(st: Static, params, caches, tok, pos):
     _TRACES["step"] += 1
     return _decode(st, params, caches, tok, pos)
+
+
+_step_jit = jax.jit(_step, static_argnums=0)
+_step_jit_donated = jax.jit(_step, static_argnums=0, donate_argnums=2)  # caches in place
 
 
 # -- host-side API ------------------------------------------------------------------
@@ -378,18 +317,27 @@ def generate(
 
 
 def prefill(m: CausalLM, input_ids, kv: oj.KVQuantConfig, *, max_new_tokens: int = 1, **kw):
-    """Step-by-step API: -> (logits at each row's last prompt token [B, V], caches, prepared)."""
+    """Step-by-step API: -> (logits at each row's last prompt token [B, V], caches, prepared).
+
+    ``caches``: a tuple of L per-layer ``KVCache``s (``stack_caches`` stacks them).
+    """
     p = prepare(m, input_ids, max_new_tokens=max_new_tokens, kv=kv, **kw)
     logits, caches = _prefill_jit(p.st, p.params, p.ids, p.lengths)
     return logits, caches, p
 
 
-def decode_step(p: Prepared, caches, tok, pos):
-    """Step-by-step API: feed tok [B] at positions pos [B] -> (logits [B, V], caches)."""
+def decode_step(p: Prepared, caches, tok, pos, *, donate: bool = False):
+    """Step-by-step API: feed tok [B] at positions pos [B] -> (logits [B, V], caches).
+
+    ``caches``: the tuple of per-layer caches. ``donate=True`` updates them in place
+    (the step writes only the new slots; the caches passed in are invalidated);
+    without it the step writes fresh caches (a copy of every cache per step).
+    """
     tok, pos = jnp.asarray(tok, jnp.int32), jnp.asarray(pos, jnp.int32)
     if p.st.mesh is not None:
         tok, pos = jax.device_put((tok, pos), msh.rows(p.st.mesh, p.st.axes))
-    return _step_jit(p.st, p.params, caches, tok, pos)
+    fn = _step_jit_donated if donate else _step_jit
+    return fn(p.st, p.params, tuple(caches), tok, pos)
 
 
 def generate_stepwise(m: CausalLM, input_ids, max_new_tokens: int, kv=None, lengths=None,
@@ -405,14 +353,15 @@ def generate_stepwise(m: CausalLM, input_ids, max_new_tokens: int, kv=None, leng
     out = []
     for i in range(max_new_tokens):
         if i:
-            logits, caches = decode_step(p, caches, out[-1], np.asarray(p.lengths) + i - 1)
+            logits, caches = decode_step(p, caches, out[-1], np.asarray(p.lengths) + i - 1,
+                                         donate=True)  # fmt: skip
         tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        tok, s = stopping.advance(tok, oj.checks.row_flags(caches), logits, s,
+        tok, s = stopping.advance(tok, _layer_flags(caches), logits, s,
                                   pad_id=p.st.pad_id, stop_tokens=p.st.stop_tokens)  # fmt: skip
         out.append(np.asarray(tok))
     toks = np.stack(out, axis=1)
     if not return_info:
         return toks
     info = dict(stop_reason=s.reason, num_tokens=s.count, done=s.done,
-                flags=oj.checks.row_flags(caches))  # fmt: skip
+                flags=_layer_flags(caches))  # fmt: skip
     return toks, {k: np.asarray(v) for k, v in info.items()}

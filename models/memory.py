@@ -11,20 +11,23 @@ from models.config import ModelConfig
 from models.model import abstract_model
 
 
-def abstract_caches(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
-                    dtype=jnp.bfloat16):  # fmt: skip
-    """The model's stacked per-layer cache [L, ...] as ShapeDtypeStructs."""
+def abstract_cache(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
+                   dtype=jnp.bfloat16):  # fmt: skip
+    """One layer's cache [B, ...] as ShapeDtypeStructs (``models.generate`` holds L of them)."""
     if kv.rotate_values:  # the model folds the value rotation; the cache stores values as given
         kv = kv.replace(rotate_values=False)
+    return jax.eval_shape(lambda: oj.init_cache(
+        kv, batch=batch, max_len=max_len, num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, dtype=dtype,
+    ))  # fmt: skip
 
-    def build():
-        one = lambda _: oj.init_cache(
-            kv, batch=batch, max_len=max_len, num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim, dtype=dtype,
-        )  # fmt: skip
-        return jax.vmap(one)(jnp.arange(cfg.num_layers))
 
-    return jax.eval_shape(build)
+def abstract_caches(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
+                    dtype=jnp.bfloat16):  # fmt: skip
+    """The model's caches stacked on a layer axis [L, ...] as ShapeDtypeStructs (byte counts)."""
+    one = abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
+    L = cfg.num_layers
+    return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((L, *s.shape), s.dtype), one)
 
 
 def abstract_nbytes(tree) -> int:

@@ -11,7 +11,7 @@ Default layout (``oscar_jax.sharding.MeshAxes`` names; every axis must exist, si
   (one all-reduce). Embeddings, ``lm_head``, norms, ``bo`` and ``q_norm``/``k_norm``
   (over head_dim, shared by all heads) are replicated.
 * **sequence**: the cache's quantized part along tokens (``oscar_jax.sharding``'s
-  layout, with the stacked layer axis in front and unsharded); the dense layers are
+  layout, per layer); the dense layers are
   replicated over this axis and only attention is split: each device attends over
   its token shard and the partial softmaxes are merged exactly (pmax + psum).
 
@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from models import layers
 from models.config import ModelConfig
 from oscar_jax import sharding as osh
+from oscar_jax.cache import KVCache
 from oscar_jax.sharding import AXES, MeshAxes
 
 _COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [L, in, out]: out split
@@ -102,12 +103,16 @@ def constrain(x, mesh: Mesh | None, spec: P):
 
 
 def constrain_caches(caches, mesh: Mesh | None, ax: MeshAxes = AXES):
-    """Pin the layer-stacked caches [L, ...] to the default cache layout (identity without mesh)."""
+    """Pin caches to the default cache layout (identity without mesh): a tuple of per-layer
+    caches [B, ...], or one KVCache stacked on leading layer axes [L, B, ...]."""
     if mesh is None:
         return caches
-    return jax.lax.with_sharding_constraint(
-        caches, osh.cache_shardings(caches, mesh, ax, leading_axes=1)
-    )
+    if isinstance(caches, KVCache):
+        lead = caches.k_res.ndim - 4
+        return jax.lax.with_sharding_constraint(
+            caches, osh.cache_shardings(caches, mesh, ax, leading_axes=lead)
+        )
+    return tuple(constrain_caches(c, mesh, ax) for c in caches)
 
 
 _KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -155,7 +160,8 @@ def decode_step_hlo(
         is_leaf=lambda x: isinstance(x, tuple),
     )  # fmt: skip
     params = jax.tree_util.tree_map(put, shapes, param_shardings(cfg, mesh, ax))
-    caches = memory.abstract_caches(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
-    caches = jax.tree_util.tree_map(put, caches, osh.cache_shardings(caches, mesh, ax, 1))
+    one = memory.abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
+    one = jax.tree_util.tree_map(put, one, osh.cache_shardings(one, mesh, ax))
+    caches = (one,) * cfg.num_layers
     tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows(mesh, ax))
     return gen._step_jit.lower(st, params, caches, tok, tok).compile().as_text()

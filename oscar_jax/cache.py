@@ -130,7 +130,17 @@ def quantized_count(n: Array, cfg: KVQuantConfig) -> Array:
     if not cfg.quantized:
         return jnp.zeros_like(n)
     g, r = cfg.group_size, cfg.residual_length
-    return (jnp.maximum(n - r, 0) // g) * g
+    return _div(jnp.maximum(n - r, 0), g) * g
+
+
+def _div(x: Array, k: int) -> Array:
+    """x // k for x >= 0 (one integer division: jnp's floor division adds sign fix-ups)."""
+    return jax.lax.div(x, jnp.asarray(k, x.dtype))
+
+
+def _rem(x: Array, k: int) -> Array:
+    """x mod k for x >= 0."""
+    return jax.lax.rem(x, jnp.asarray(k, x.dtype))
 
 
 def _check_int(name: str, val) -> None:
@@ -331,34 +341,36 @@ def append(
 
     A full row (length == max_len) is left unchanged and gets FLAG_OVERFLOW.
     ``implementation`` picks the encoder used by flushes ("xla" or "pallas").
+    Only the ring slot and (on a flush) one group per row are written, in place: the
+    encoding runs under a ``lax.cond`` that returns the small encoded groups, never
+    the cache (a cond returning the cache makes XLA copy it).
     """
     _check_kv(cache, k_t, v_t, 3, "[batch, num_kv_heads, head_dim]")
     out, nq_old, flush = append_to_ring(cache, k_t, v_t)
     if not cache.cfg.quantized or cache.quant_capacity == 0:
         return out  # nothing can ever flush
-
-    def do_flush(c):
-        c, ek, ev = encode_flush(c, nq_old, flush, implementation, options)
-        return write_groups(c, ek, ev, nq_old, flush)
-
-    return jax.lax.cond(jnp.any(flush), do_flush, lambda c: c, out)
+    c, ek, ev = encode_flush(out, nq_old, flush, implementation, options)
+    return write_groups(c, ek, ev, nq_old, flush)
 
 
 def _set_rows(dst: Array, src: Array, pos: Array, ok: Array, offset=0) -> Array:
     """dst[b, :, pos[b] - offset : + len] = src[b] where ok[b] and the run lies in dst.
 
     ``offset`` is the global position of dst's first element along axis 2: a shard
-    of a sequence-sharded array writes only the runs that it owns.
+    of a sequence-sharded array writes only the runs that it owns. One ``scatter`` of
+    whole runs (an in-place update); a run out of bounds, or not ok, is dropped whole.
     """
-    size = src.shape[2]
-    local = pos - offset
-    own = ok & (local >= 0) & (local + size <= dst.shape[2])
-
-    def one(d, s, p, f):
-        old = jax.lax.dynamic_slice_in_dim(d, p, size, axis=1)
-        return jax.lax.dynamic_update_slice_in_dim(d, jnp.where(f, s, old), p, axis=1)
-
-    return jax.vmap(one)(dst, src.astype(dst.dtype), jnp.clip(local, 0, None), own)
+    local = jnp.where(ok, pos - offset, dst.shape[2]).astype(jnp.int32)  # dst.shape[2]: dropped
+    dn = jax.lax.ScatterDimensionNumbers(  # rows are a batch dimension (sharded rows stay local)
+        update_window_dims=tuple(range(1, dst.ndim)),
+        inserted_window_dims=(),
+        scatter_dims_to_operand_dims=(2,),
+        operand_batching_dims=(0,),
+        scatter_indices_batching_dims=(0,),
+    )
+    drop = jax.lax.GatherScatterMode.FILL_OR_DROP
+    return jax.lax.scatter(dst, local[:, None], src.astype(dst.dtype), dn,
+                           indices_are_sorted=True, unique_indices=True, mode=drop)  # fmt: skip
 
 
 def append_to_ring(cache: KVCache, k_t, v_t, ring_offset=0):
@@ -367,7 +379,7 @@ def append_to_ring(cache: KVCache, k_t, v_t, ring_offset=0):
     n = cache.lengths
     ok = n < cache.max_len
     flags = cache.flags | jnp.where(ok, 0, FLAG_OVERFLOW) | _nonfinite_rows(k_t, v_t)
-    slot = jnp.mod(n, cache.slots_total)
+    slot = _rem(n, cache.slots_total)
     n_new = n + ok.astype(jnp.int32)
     out = dataclasses.replace(
         cache,
@@ -380,23 +392,56 @@ def append_to_ring(cache: KVCache, k_t, v_t, ring_offset=0):
     return out, nq_old, quantized_count(n_new, cfg) > nq_old
 
 
-def encode_flush(cache: KVCache, nq: Array, flush: Array, implementation: str, options):
-    """Encode each flushing row's oldest ring group (tokens nq..nq+G-1) and zero its slots."""
-    cfg = cache.cfg
-    g = cfg.group_size
-    start = jnp.mod(nq, cache.slots_total)  # multiple of G since S is
+def ring_groups(cache: KVCache, nq: Array) -> tuple[Array, Array]:
+    """The ring group of tokens nq..nq+G-1 of each row: keys, values [B, H, G, D]."""
+    start = _rem(nq, cache.slots_total)  # multiple of G since S is
+    g = cache.cfg.group_size
     take = jax.vmap(lambda x, s: jax.lax.dynamic_slice_in_dim(x, s, g, axis=1))
-    kg, vg = take(cache.k_res, start), take(cache.v_res, start)  # [B, H, G, D]
-    ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
-    zeros = jnp.zeros_like(kg)
-    overflow = flush & _nonfinite_encoding(ek, ev)
-    cleared = dataclasses.replace(
+    return take(cache.k_res, start), take(cache.v_res, start)
+
+
+def encode_groups(kg, vg, flush: Array, cfg: KVQuantConfig, implementation: str, options):
+    """Encode groups [B, H, G, D] when a row flushes (a ``lax.cond`` of small outputs).
+
+    -> (EncodedKeys, EncodedValues, overflow [B]: a flushing row whose encoding is not
+    finite). Without a flushing row the encoder is skipped (zeros returned).
+    """
+
+    def enc(kg, vg):
+        ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
+        return ek, ev, flush & _nonfinite_encoding(ek, ev)
+
+    shapes = jax.eval_shape(enc, kg, vg)
+    skip = lambda kg, vg: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
+    return jax.lax.cond(jnp.any(flush), enc, skip, kg, vg)
+
+
+def clear_groups(cache: KVCache, nq: Array, flush: Array, overflow: Array, kg, vg) -> KVCache:
+    """Zero the ring slots of each flushing row's group and flag encoding overflows.
+
+    ``kg``, ``vg``: the groups as read (``ring_groups``), written back to the rows that do
+    not flush: the write then depends on that read, so XLA orders the read first and
+    updates the ring in place (an unordered read would make it copy the ring).
+    """
+    start = _rem(nq, cache.slots_total)
+    keep = lambda g: jnp.where(flush[:, None, None, None], jnp.zeros((), g.dtype), g)  # noqa: E731
+    every = jnp.ones_like(flush)
+    return dataclasses.replace(
         cache,
-        k_res=_set_rows(cache.k_res, zeros, start, flush),
-        v_res=_set_rows(cache.v_res, zeros, start, flush),
+        k_res=_set_rows(cache.k_res, keep(kg), start, every),
+        v_res=_set_rows(cache.v_res, keep(vg), start, every),
         flags=cache.flags | jnp.where(overflow, FLAG_NONFINITE, 0).astype(jnp.int32),
     )
-    return cleared, ek, ev
+
+
+def encode_flush(cache: KVCache, nq: Array, flush: Array, implementation: str, options):
+    """Encode each flushing row's oldest ring group (tokens nq..nq+G-1) and zero its slots.
+
+    -> (cache with the slots cleared, EncodedKeys, EncodedValues) for ``write_groups``.
+    """
+    kg, vg = ring_groups(cache, nq)
+    ek, ev, overflow = encode_groups(kg, vg, flush, cache.cfg, implementation, options)
+    return clear_groups(cache, nq, flush, overflow, kg, vg), ek, ev
 
 
 def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) -> KVCache:
@@ -406,8 +451,8 @@ def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) ->
     return dataclasses.replace(
         cache,
         k_codes=_set_rows(cache.k_codes, ek.codes, nq, flush, q_offset),
-        k_scale=_set_rows(cache.k_scale, ek.scale, nq // g, flush, gofs),
-        k_zero=_set_rows(cache.k_zero, ek.zero, nq // g, flush, gofs),
+        k_scale=_set_rows(cache.k_scale, ek.scale, _div(nq, g), flush, gofs),
+        k_zero=_set_rows(cache.k_zero, ek.zero, _div(nq, g), flush, gofs),
         k_norm=_set_rows(cache.k_norm, ek.norm, nq, flush, q_offset),
         v_codes=_set_rows(cache.v_codes, ev.codes, nq, flush, q_offset),
         v_scale=_set_rows(cache.v_scale, ev.scale, nq, flush, q_offset),

@@ -22,13 +22,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from oscar_jax import attention as att
 from oscar_jax import cache as kvc
+from oscar_jax import flush as fl
 from oscar_jax.cache import KVCache
 
 
@@ -183,16 +183,17 @@ def sharded_append(
     *,
     implementation: str = "xla",
     ax: MeshAxes = AXES,
+    flush: bool = True,
     **options,
 ) -> KVCache:
-    """``append`` for a cache in the default layout: each shard writes only what it owns."""
+    """``append`` for a cache in the default layout: each shard writes only what it owns.
+
+    ``flush=False``: the ring write alone (after ``sharded_flush_early``).
+    """
     kvc._check_kv(cache, k_t, v_t, 3, "[batch, num_kv_heads, head_dim]")
     check_mesh(cache, mesh, ax)
     specs = cache_specs(cache, ax)
     kv_spec = P(ax.data, ax.model, None)
-    smap = lambda f, ins, outs: jax.shard_map(  # noqa: E731
-        f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False
-    )
     if not cache.cfg.quantized:
         flags = cache.flags | kvc._nonfinite_rows(k_t, v_t)  # over all heads, before splitting
 
@@ -201,24 +202,37 @@ def sharded_append(
                                            * c.slots)  # fmt: skip
             return dataclasses.replace(out, flags=out.flags | fl)
 
-        return smap(local_ring, (specs, kv_spec, kv_spec, P(ax.data)), specs)(
+        return _smap(mesh, local_ring, (specs, kv_spec, kv_spec, P(ax.data)), specs)(
             cache, k_t, v_t, flags
         )
-    out, nq_old, flush = kvc.append_to_ring(cache, k_t, v_t)  # ring: not sequence-sharded
-    if cache.quant_capacity == 0:
+    out, nq_old, due = kvc.append_to_ring(cache, k_t, v_t)  # ring: not sequence-sharded
+    if cache.quant_capacity == 0 or not flush:
         return out
+    c, ek, ev = kvc.encode_flush(out, nq_old, due, implementation, options)
+    return sharded_write_flush(c, fl.Flush(ek, ev, nq_old, due), mesh, ax)
 
-    def do_flush(c):
-        c, ek, ev = kvc.encode_flush(c, nq_old, flush, implementation, options)
-        ek_spec = type(ek)(kv4 := P(ax.data, ax.model, None, None), kv4, kv4,
-                           P(ax.data, specs.k_norm[1], None))  # fmt: skip
-        ev_spec = type(ev)(kv4, kv4, kv4)
 
-        def local_write(c, ek, ev, nq, fl):
-            off = jax.lax.axis_index(ax.sequence) * c.quant_capacity
-            return kvc.write_groups(c, ek, ev, nq, fl, q_offset=off)
+def _smap(mesh, f, ins, outs):
+    return jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
 
-        ins = (specs, ek_spec, ev_spec, P(ax.data), P(ax.data))
-        return smap(local_write, ins, specs)(c, ek, ev, nq_old, flush)
 
-    return jax.lax.cond(jnp.any(flush), do_flush, lambda c: c, out)
+def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
+    """``oscar_jax.flush.write_flush`` on the sequence shards: each writes the groups it owns."""
+    specs = cache_specs(c, ax)
+    kv4 = P(ax.data, ax.model, None, None)
+    fspec = fl.Flush(type(f.ek)(kv4, kv4, kv4, P(ax.data, specs.k_norm[1], None)),
+                     type(f.ev)(kv4, kv4, kv4), P(ax.data), P(ax.data))  # fmt: skip
+
+    def local_write(c, f):
+        return fl.write_flush(c, f, q_offset=jax.lax.axis_index(ax.sequence) * c.quant_capacity)
+
+    return _smap(mesh, local_write, (specs, fspec), specs)(c, f)
+
+
+def sharded_flush_early(
+    caches, mesh: Mesh, *, implementation: str = "xla", ax: MeshAxes = AXES, **options
+) -> tuple[KVCache, ...]:
+    """``oscar_jax.flush.flush_early`` for caches in the default layout (then append with
+    ``sharded_append(..., flush=False)``)."""
+    caches, todo = fl.prepare_flushes(caches, implementation, **options)
+    return tuple(sharded_write_flush(c, f, mesh, ax) for c, f in zip(caches, todo, strict=True))

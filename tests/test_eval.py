@@ -48,6 +48,7 @@ def _stepwise_logits(m, ids, kv, cache_dtype=None):
     for i in range(1, t):
         logits, caches = models.decode_step(p, caches, ids[:, i], np.full(b, i, np.int32))
         out.append(np.asarray(logits))
+    caches = models.stack_caches(caches)  # [L, ...]
     assert int(np.asarray(caches.lengths).max()) == t
     return np.stack(out, axis=1), caches
 

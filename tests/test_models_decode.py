@@ -20,7 +20,8 @@ SMALL = dict(residual_length=32, group_size=32)
 
 def _decode_logits(m, kv, ids, tok):
     logits0, caches, p = models.prefill(m, ids, kv, max_new_tokens=4)
-    assert int(np.max(np.asarray(caches.lengths))) == ids.shape[1]
+    assert len(caches) == m.config.num_layers  # one cache per layer
+    assert int(np.max(np.asarray(models.stack_caches(caches).lengths))) == ids.shape[1]
     logits1, caches = models.decode_step(p, caches, tok, np.asarray(p.lengths))
     return np.asarray(logits1), caches
 
@@ -32,7 +33,8 @@ def test_int8_oscar_decode_logits_close_to_bf16_cache(name):
     tok = np.array([5, 77], np.int32)
     ref, _ = _decode_logits(m, oj.preset("bf16"), ids, tok)
     got, caches = _decode_logits(m, oj.preset("oscar", bits=8, **SMALL), ids, tok)
-    assert int(np.asarray(caches.num_quantized()).min()) == 64  # the quantized part is used
+    nq = np.asarray(models.stack_caches(caches).num_quantized())
+    assert int(nq.min()) == 64  # the quantized part is used
     diff = float(np.max(np.abs(got - ref)))
     print(f"{name}: INT8 OScaR vs bf16 cache decode logits: max |diff| = {diff:.2e}")
     assert diff <= 1e-2

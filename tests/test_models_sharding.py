@@ -87,7 +87,9 @@ def expected_shard(shape, spec, mesh):
 def test_sharded_generation_equals_unsharded(mesh_shape, method):
     mesh = make_mesh(mesh_shape)
     ref_toks, ref_logits, ref_first, ref_caches = reference(method)
-    toks, logits, first, caches, p = run(method, mesh)
+    toks, logits, first, layer_caches, p = run(method, mesh)
+    caches, first = models.stack_caches(layer_caches), models.stack_caches(first)  # [L, ...]
+    ref_caches, ref_first = models.stack_caches(ref_caches), models.stack_caches(ref_first)
     np.testing.assert_array_equal(toks, ref_toks)
     np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(caches.lengths), np.asarray(ref_caches.lengths))
@@ -99,17 +101,19 @@ def test_sharded_generation_equals_unsharded(mesh_shape, method):
         assert nq0.max() >= 64 and np.any(nq > nq0)  # INT2 part used, flushes while decoding
         same = np.mean(np.asarray(caches.k_codes) == np.asarray(ref_caches.k_codes))
         assert same >= 0.999, same  # float-order differences may flip a rare rounding tie
-    # every device holds only its shard of the cache, the params and the inputs
-    specs = osh.cache_specs(caches, leading_axes=1)
-    for leaf, spec in zip(jax.tree_util.tree_leaves(caches), jax.tree_util.tree_leaves(
-            specs, is_leaf=lambda x: isinstance(x, P)), strict=True):  # fmt: skip
-        if leaf.size == 0:  # the empty quantized fields of a bf16 cache
-            continue
-        want = expected_shard(leaf.shape, spec, mesh)
-        assert {s.data.shape for s in leaf.addressable_shards} == {want}, (spec, want)
+    # every device holds only its shard of each layer's cache, the params and the inputs
+    assert len(layer_caches) == CFG.num_layers
+    for lc in layer_caches:
+        specs = osh.cache_specs(lc)
+        for leaf, spec in zip(jax.tree_util.tree_leaves(lc), jax.tree_util.tree_leaves(
+                specs, is_leaf=lambda x: isinstance(x, P)), strict=True):  # fmt: skip
+            if leaf.size == 0:  # the empty quantized fields of a bf16 cache
+                continue
+            want = expected_shard(leaf.shape, spec, mesh)
+            assert {s.data.shape for s in leaf.addressable_shards} == {want}, (spec, want)
     nd, nm, ns = mesh_shape
-    c = caches.k_codes if method == "oscar" else caches.k_res
-    assert c.addressable_shards[0].data.shape[1:4] == (8 // nd, 4 // nm, c.shape[3] // ns)
+    c = layer_caches[0].k_codes if method == "oscar" else layer_caches[0].k_res
+    assert c.addressable_shards[0].data.shape[0:3] == (8 // nd, 4 // nm, c.shape[2] // ns)
     wq, wo = p.params["layers"]["wq"], p.params["layers"]["wo"]
     assert wq.addressable_shards[0].data.shape == (2, 64, 8 * 32 // nm)
     assert wo.addressable_shards[0].data.shape == (2, 8 * 32 // nm, 64)

@@ -1,0 +1,149 @@
+"""Find the instructions of a compiled HLO module that write a whole KV-cache array.
+
+A decode step should read each cache byte once (the attention) and write only what
+changes, by in-place ``dynamic-update-slice`` / ``scatter`` of a part. Anything else
+producing a whole cache array (a ``copy``, a ``dynamic-slice`` of a layer out of stacked
+caches, an in-place update whose update is a whole layer, a fusion rewriting it, a
+``broadcast`` zeroing a scan's output) moves all of it again. Shapes match on dims only
+(the CPU compiler computes bfloat16 in float32)::
+
+    print(format_copies(whole_cache_copies(compiled.as_text(), cache_shapes(caches))))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
+_INSTR = re.compile(  # [ROOT] %name = type opcode(operands), attributes
+    r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(\(.*?\)|\w+\[[\d,]*\](?:\{[^}]*\})?)\s+([\w\-]+)\((.*)$"
+)
+_COMP = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s.*\{\s*$")
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_CALLEE = re.compile(r"(?:calls|body|condition|to_apply|branch_computations)=\{?%([\w.\-]+)")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
+         "constant", "custom-call", "after-all", "opt-barrier", "fusion-done", "copy-done",
+         "all-reduce", "all-gather", "collective-permute", "async-start", "async-done"}  # fmt: skip
+_INPLACE = ("dynamic-update-slice", "scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Instr:
+    computation: str
+    name: str
+    opcode: str
+    dtype: str
+    dims: tuple[int, ...]
+    detail: str = ""  # a fusion's root opcode
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.dims, dtype=np.int64)) * _BYTES.get(self.dtype, 4)
+
+    def __str__(self) -> str:
+        what = f"{self.opcode}({self.detail})" if self.detail else self.opcode
+        dims = ",".join(map(str, self.dims))
+        return f"{self.computation}: %{self.name} = {self.dtype}[{dims}] {what}  {self.nbytes} B"
+
+
+def parse(hlo_text: str) -> dict[str, list[tuple]]:
+    """computation -> [(name, type text, opcode, operands and attributes, is_root)]."""
+    comps: dict[str, list] = {}
+    cur = None
+    for line in hlo_text.splitlines():
+        line = re.sub(r"/\*.*?\*/", "", line)  # /*index=5*/ comments
+        m = _COMP.match(line)
+        if m and "=" not in line.split("(")[0]:
+            cur = comps.setdefault(m.group(1), [])
+        elif (m := _INSTR.match(line)) and cur is not None:
+            cur.append((m.group(2), m.group(3), m.group(4), m.group(5), bool(m.group(1))))
+    return comps
+
+
+def _dims(typ: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(dt, tuple(int(x) for x in d.split(",") if x)) for dt, d in _ARRAY.findall(typ)]
+
+
+def _roots(comps, comp: str) -> list[tuple]:
+    """The instructions producing a fused computation's result(s), through bitcasts/tuples."""
+    by_name = {i[0]: i for i in comps.get(comp, [])}
+    todo, out = [i for i in comps.get(comp, []) if i[4]][:1], []
+    while todo:
+        ins = todo.pop()
+        if ins[2] in ("bitcast", "tuple"):
+            todo += [by_name[o] for o in _OPERAND.findall(ins[3].split("),")[0]) if o in by_name]
+        else:
+            out.append(ins)
+    return out
+
+
+def _update(ins, types: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(dtype, dims) of the update operand of an in-place op (dynamic-update-slice, scatter)."""
+    ops = _OPERAND.findall(ins[3].split("),")[0])
+    k = 1 if ins[2] == "dynamic-update-slice" else len(ops) - 1
+    return _dims(types.get(ops[k], "")) if 0 <= k < len(ops) else []
+
+
+def cache_shapes(tree, stacked: bool = False) -> set[tuple[int, ...]]:
+    """Dims of the big arrays of a pytree of caches (``stacked``: also each layer's, [1:])."""
+    out = {tuple(x.shape) for x in jax.tree_util.tree_leaves(tree) if np.prod(x.shape) > 1024}
+    return out | {s[1:] for s in out} if stacked else out
+
+
+def loop_computations(hlo_text: str) -> set[str]:
+    """Computations that run inside a ``while`` loop (bodies and what they call)."""
+    comps = parse(hlo_text)
+    todo = [c for i in comps.values() for x in i if x[2] == "while"
+            for c in re.findall(r"body=%([\w.\-]+)", x[3])]  # fmt: skip
+    seen: set[str] = set()
+    while todo:
+        c = todo.pop()
+        if c not in seen:
+            seen.add(c)
+            todo += [d for x in comps.get(c, []) for d in _CALLEE.findall(x[3])]
+    return seen
+
+
+def whole_cache_copies(hlo_text: str, shapes, min_bytes: int = 0) -> list[Instr]:
+    """Instructions (outside fused computations) that write a whole array of ``shapes``
+    (dims, or with a leading 1): all but pass-through ops and in-place updates of a part."""
+    want = {tuple(s) for s in shapes} | {(1, *s) for s in shapes}
+    comps = parse(hlo_text)
+    fused = {c for i in comps.values() for x in i if x[2] in ("fusion", "fusion-start")
+             for c in _CALLEE.findall(x[3])}  # fmt: skip
+    found = []
+
+    def add(comp, name, op, arrays, detail=""):
+        for dt, d in arrays[:1]:  # copy-start: the first array is the destination
+            if d in want and (ins := Instr(comp, name, op, dt, d, detail)).nbytes >= min_bytes:
+                found.append(ins)
+
+    for comp, instrs in comps.items():
+        if comp in fused:
+            continue
+        types = {i[0]: i[1] for i in instrs}
+        for ins in instrs:
+            name, typ, op, args, _ = ins
+            callee = (_CALLEE.findall(args) or [""])[0]
+            ctypes = {i[0]: i[1] for i in comps.get(callee, [])}
+            fusion = op in ("fusion", "fusion-start")
+            todo = [(r, ctypes) for r in _roots(comps, callee)] if fusion else [(ins, types)]
+            for r, tys in todo:
+                if r[2] in _INPLACE:  # a whole layer written into a bigger array counts
+                    upd = _update(r, tys)
+                    add(comp, name, op, upd, f"{r[2]} of a whole array" if upd else "")
+                elif op not in _FREE:
+                    add(comp, name, op, _dims(r[1]), r[2] if r is not ins else "")
+    return found
+
+
+def format_copies(found: list[Instr]) -> str:
+    """One line per instruction, then the count and total bytes."""
+    total = f"{len(found)} whole-cache writes, {sum(i.nbytes for i in found)} B"
+    return "\n".join([*map(str, found), total])
