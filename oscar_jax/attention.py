@@ -106,12 +106,12 @@ def grouped_query(q, cache: KVCache, softmax_scale):
     b, _, d = q.shape
     scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
     qg = q.astype(jnp.float32).reshape(b, cache.num_kv_heads, g, d)
-    q_rot = hadamard.rotate(qg, cache.cfg) if cache.cfg.rotate_keys else qg
+    q_rot = hadamard.rotate(qg, cache.cfg, dense=True) if cache.cfg.rotate_keys else qg
     return qg, q_rot, scale
 
 
 def unrotate_values(acc, cfg):
-    return hadamard.unrotate(acc, cfg) if cfg.rotate_values else acc
+    return hadamard.unrotate(acc, cfg, dense=True) if cfg.rotate_values else acc
 
 
 def decode_attention_xla(

@@ -86,27 +86,22 @@ def rotation_matrix(cfg: KVQuantConfig, d: int) -> np.ndarray:
     return np.eye(d)
 
 
-# Up to this many rows the Hadamard rotation is a dense [d, d] matmul: XLA fuses the
-# butterfly stages of ``fwht`` into one loop that re-reads every input per output
-# (measured on the H200: 30 us for one decode query of 8 KV heads x 16 rows, the
-# time of 20% of the whole INT2 attention at 128K); a GEMM takes a few us.
-DENSE_ROWS = 16384
+# The default of ``dense`` for callers that do not choose (the encoders): False keeps
+# the butterflies, elementwise and so bit-identical whatever the batch. Benchmarks
+# set it to time the XLA encoder with a matmul rotation.
+DENSE_DEFAULT = False
 
 
-def _apply(x: Array, cfg: KVQuantConfig, inverse: bool) -> Array:
+def _apply(x: Array, cfg: KVQuantConfig, inverse: bool, dense: bool | None) -> Array:
     """R x (or R^T x when inverse) over the last axis, in f32, returned in x's dtype."""
     d = x.shape[-1]
     if cfg.rotation == "none":
         return x
-    xf = x.astype(jnp.float32)
-    if cfg.rotation == "hadamard" and x.size // d > DENSE_ROWS:  # symmetric, self-inverse
+    dense = DENSE_DEFAULT if dense is None else dense
+    if cfg.rotation == "hadamard" and not dense:  # symmetric and its own inverse
         return fwht(x)
-    if cfg.rotation == "hadamard":  # few rows (a decode query): one small matmul
-        r = jnp.asarray(hadamard_matrix(d), jnp.float32)
-        return jnp.einsum("...d,ed->...e", xf, r, precision=jax.lax.Precision.HIGHEST).astype(
-            x.dtype
-        )
-    if cfg.rotation == "randomized_hadamard":  # R = H diag(s), R^T = diag(s) H
+    xf = x.astype(jnp.float32)
+    if cfg.rotation == "randomized_hadamard" and not dense:  # R = H diag(s), R^T = diag(s) H
         signs = jnp.asarray(_random_signs(d, cfg.rotation_seed), jnp.float32)
         y = fwht(xf) * signs if inverse else fwht(xf * signs)
         return y.astype(x.dtype)
@@ -115,11 +110,21 @@ def _apply(x: Array, cfg: KVQuantConfig, inverse: bool) -> Array:
     return jnp.einsum(spec, xf, r, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
-def rotate(x: Float[Array, "... d"], cfg: KVQuantConfig) -> Float[Array, "... d"]:
-    """Apply the config's rotation R to the last axis (returns x's dtype, computed in f32)."""
-    return _apply(x, cfg, inverse=False)
+def rotate(
+    x: Float[Array, "... d"], cfg: KVQuantConfig, *, dense: bool | None = None
+) -> Float[Array, "... d"]:
+    """Apply the config's rotation R to the last axis (returns x's dtype, computed in f32).
+
+    ``dense=True`` takes one [d, d] matmul instead of the butterflies: for a few rows
+    (a decode query) XLA fuses the butterfly stages into one loop that re-reads every
+    input per output (measured on the H200: 30 us for one query of 8 KV heads x 16
+    rows, 20% of the whole INT2 attention at 128K), where a GEMM takes ~2 us.
+    """
+    return _apply(x, cfg, inverse=False, dense=dense)
 
 
-def unrotate(y: Float[Array, "... d"], cfg: KVQuantConfig) -> Float[Array, "... d"]:
-    """Apply R^T (the inverse rotation) to the last axis."""
-    return _apply(y, cfg, inverse=True)
+def unrotate(
+    y: Float[Array, "... d"], cfg: KVQuantConfig, *, dense: bool | None = None
+) -> Float[Array, "... d"]:
+    """Apply R^T (the inverse rotation) to the last axis (``dense`` as in ``rotate``)."""
+    return _apply(y, cfg, inverse=True, dense=dense)

@@ -297,8 +297,8 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
         raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
     if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
-        q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
-        unrot = (lambda x: hadamard.unrotate(x, kcfg)) if kcfg.rotate_values else None
+        q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
+        unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
         acc, m, lsum = merge_splits(
             *quantized_partials(
                 pad_query(q_rot * scale, f32), cache, cfg, pad_query(qg * scale, f32)
@@ -310,11 +310,11 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
         return out.reshape(b, hq, d).astype(q.dtype)
     parts = [residual_partial(qg, cache, scale)]
     if cache.quant_capacity:
-        q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
+        q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
         acc, m, lsum = merge_splits(*quantized_partials(pad_query(q_rot * scale, f32), cache, cfg))
         acc, m, lsum = acc[:, :, :g], m[:, :, :g], lsum[:, :, :g]
         if kcfg.rotate_values:
-            acc = hadamard.unrotate(acc, kcfg)
+            acc = hadamard.unrotate(acc, kcfg, dense=True)
         parts.append((acc, m, lsum))
     return merge_partials(parts).reshape(b, hq, d).astype(q.dtype)
 

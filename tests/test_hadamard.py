@@ -71,17 +71,18 @@ if __name__ == "__main__":
     pytest.main([__file__])
 
 
-@pytest.mark.parametrize("extra_rows", [-1, 3])
-def test_rotate_dense_and_butterfly_paths_agree(extra_rows):
-    """Few rows take a dense matmul, many the butterflies: both are R x (float32 tolerance)."""
+@pytest.mark.parametrize("rotation", ["hadamard", "randomized_hadamard"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_rotate_dense_and_butterfly_paths_agree(rotation, dense):
+    """The butterflies (encoders) and one dense matmul (decode queries) are both R x."""
     from oscar_jax import hadamard
 
     d = 64
-    rows = hadamard.DENSE_ROWS + extra_rows
-    cfg = oj.preset("oscar", bits=2)
-    x = jax.random.normal(jax.random.PRNGKey(7), (rows, d), jnp.float32)
-    r = np.asarray(hadamard.hadamard_matrix(d), np.float64)
+    cfg = oj.preset("oscar", bits=2, rotation=rotation)
+    x = jax.random.normal(jax.random.PRNGKey(7), (5, 3, d), jnp.float32)
+    r = np.asarray(hadamard.rotation_matrix(cfg, d), np.float64)
     want = np.asarray(x, np.float64) @ r.T
-    got = hadamard.rotate(x, cfg)
+    got = hadamard.rotate(x, cfg, dense=dense)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(hadamard.unrotate(got, cfg)), np.asarray(x), atol=1e-5)
+    back = hadamard.unrotate(got, cfg, dense=dense)
+    np.testing.assert_allclose(np.asarray(back), np.asarray(x), atol=1e-5)
