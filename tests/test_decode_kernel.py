@@ -139,6 +139,10 @@ def test_heuristic_config():
     assert c.block_tokens == 256
     with pytest.raises(ValueError, match="ablate"):
         pdec.DecodeConfig(ablate="nope")
+    with pytest.raises(ValueError, match="unpack"):
+        pdec.DecodeConfig(unpack="nope")
+    assert pdec.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
+    assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
 
 @pytest.mark.parametrize(
