@@ -373,23 +373,29 @@ def _set_rows(dst: Array, src: Array, pos: Array, ok: Array, offset=0) -> Array:
                            indices_are_sorted=True, unique_indices=True, mode=drop)  # fmt: skip
 
 
+def flush_due(cache: KVCache) -> tuple[Array, Array]:
+    """(nq [B], flush [B]): quantized count now, and rows whose next append will flush."""
+    n = cache.lengths
+    nq = quantized_count(n, cache.cfg)
+    n_new = n + (n < cache.max_len).astype(n.dtype)
+    return nq, quantized_count(n_new, cache.cfg) > nq
+
+
 def append_to_ring(cache: KVCache, k_t, v_t, ring_offset=0):
     """Write one token per row into the ring; return (cache, nq before, rows due to flush)."""
-    cfg = cache.cfg
     n = cache.lengths
     ok = n < cache.max_len
     flags = cache.flags | jnp.where(ok, 0, FLAG_OVERFLOW) | _nonfinite_rows(k_t, v_t)
     slot = _rem(n, cache.slots_total)
-    n_new = n + ok.astype(jnp.int32)
+    nq_old, flush = flush_due(cache)
     out = dataclasses.replace(
         cache,
         k_res=_set_rows(cache.k_res, k_t[:, :, None], slot, ok, ring_offset),
         v_res=_set_rows(cache.v_res, v_t[:, :, None], slot, ok, ring_offset),
-        lengths=n_new,
+        lengths=n + ok.astype(jnp.int32),
         flags=flags,
     )
-    nq_old = quantized_count(n, cfg)
-    return out, nq_old, quantized_count(n_new, cfg) > nq_old
+    return out, nq_old, flush
 
 
 def ring_groups(cache: KVCache, nq: Array) -> tuple[Array, Array]:

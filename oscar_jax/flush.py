@@ -29,19 +29,11 @@ from oscar_jax.cache import (
     KVCache,
     clear_groups,
     encode_groups,
-    quantized_count,
+    flush_due,
     ring_groups,
     write_groups,
 )
 from oscar_jax.codec import EncodedKeys, EncodedValues
-
-
-def flush_due(cache: KVCache) -> tuple[Array, Array]:
-    """(nq [B], flush [B]): quantized count now, and rows whose next append will flush."""
-    n = cache.lengths
-    nq = quantized_count(n, cache.cfg)
-    n_new = n + (n < cache.max_len).astype(n.dtype)
-    return nq, quantized_count(n_new, cache.cfg) > nq
 
 
 def can_flush_early(cache: KVCache) -> bool:

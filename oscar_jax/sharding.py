@@ -188,7 +188,8 @@ def sharded_append(
 ) -> KVCache:
     """``append`` for a cache in the default layout: each shard writes only what it owns.
 
-    ``flush=False``: the ring write alone (after ``sharded_flush_early``).
+    ``flush=False``: the ring write alone (the flush encoded early by
+    ``oscar_jax.flush.prepare_flushes``, stored by ``sharded_write_flush``).
     """
     kvc._check_kv(cache, k_t, v_t, 3, "[batch, num_kv_heads, head_dim]")
     check_mesh(cache, mesh, ax)
@@ -227,12 +228,3 @@ def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES
         return fl.write_flush(c, f, q_offset=jax.lax.axis_index(ax.sequence) * c.quant_capacity)
 
     return _smap(mesh, local_write, (specs, fspec), specs)(c, f)
-
-
-def sharded_flush_early(
-    caches, mesh: Mesh, *, implementation: str = "xla", ax: MeshAxes = AXES, **options
-) -> tuple[KVCache, ...]:
-    """``oscar_jax.flush.flush_early`` for caches in the default layout (then append with
-    ``sharded_append(..., flush=False)``)."""
-    caches, todo = fl.prepare_flushes(caches, implementation, **options)
-    return tuple(sharded_write_flush(c, f, mesh, ax) for c, f in zip(caches, todo, strict=True))

@@ -90,83 +90,71 @@ def int_kernel(*refs, ring, **kw):
         _ring_part(n_ref, quant_refs[0], qp_ref, kr_ref, vr_ref, *out_refs, bs=ring)
 
 
-def _magic(x, shift, mask, dtype=jnp.bfloat16):
-    """Packed uint8 codes -> bfloat16 ``128 + code`` by bit pattern, no int->float convert.
-
-    ``0x4300`` is bfloat16 128.0 with unit spacing in [128, 256), so or-ing a code below
-    128 into its mantissa gives ``128 + code`` exactly: two integer ops per element in
-    place of a quarter-rate I2F conversion.
-    """
-    base = 0x4300 if dtype == jnp.bfloat16 else 0x6400  # 128.0 bf16, 1024.0 f16
-    bits16 = ((x >> shift) & mask).astype(jnp.uint16) | jnp.uint16(base)
-    return jax.lax.bitcast_convert_type(bits16, dtype)
+# bit patterns per 16-bit dtype: the float ``base`` (unit spacing in [base, 2 base), so
+# or-ing a small code into its mantissa gives ``base + code`` exactly), the fill byte
+# (base's exponent byte, repeated), 1.0 and -base as packed pairs, the PTX type
+_BITS = {
+    jnp.dtype(jnp.bfloat16): (128.0, 0x4300, 0x43434343, 0x3F803F80, 0xC300C300, "bf16x2"),
+    jnp.dtype(jnp.float16): (1024.0, 0x6400, 0x64646464, 0x3C003C00, 0xE400E400, "f16x2"),
+}
 
 
-def _planes_asm(x, bits, sub128, dtype=jnp.bfloat16, scale=None, zero=None):
-    """The 8 / bits planes of a uint8 code tile as 16-bit floats, 4 bytes per PTX instance.
-
-    Per plane and 32-bit word: one shift, one and, two byte permutes that interleave
-    the codes with the exponent byte of ``base`` (``base + code``: 128 in bfloat16,
-    1024 in float16), with ``sub128`` one packed fma per pair that subtracts ``base``
-    exactly, and with per-plane ``scale`` / ``zero`` tiles (x's shape, ``dtype``) one
-    more packed fma: ``code * scale + zero``. One asm op per plane: Pallas' lowering
-    takes single-result inline asm only.
+def _dequant_asm(x, bits, dtype, scale, zero):
+    """Inline PTX, 4 bytes per instance: per plane one shift, one and, two byte permutes
+    that interleave the codes with the fill byte (``base + code``), one packed fma that
+    subtracts ``base`` exactly and one ``code * scale + zero``. One asm op per plane:
+    Pallas' lowering takes single-result inline asm only.
     """
     from jax.experimental.pallas import triton as plgpu
 
+    _, _, fill, one, neg, ty = _BITS[jnp.dtype(dtype)]
     mask = ((1 << bits) - 1) * 0x01010101
     out = jax.ShapeDtypeStruct(x.shape, dtype)
-    if dtype == jnp.bfloat16:  # fill byte, 1.0 and -base as packed pairs, PTX type
-        fill, one, neg, ty = 0x43434343, 0x3F803F80, 0xC300C300, "bf16x2"
-    else:
-        fill, one, neg, ty = 0x64646464, 0x3C003C00, 0xE400E400, "f16x2"
     planes = []
     for i in range(8 // bits):
-        lines = [
+        asm = "\n".join([
             "{",
             ".reg .b32 t, one, neg;",
             f"shr.b32 t, $2, {bits * i};",
             f"and.b32 t, t, {mask:#x};",
             f"prmt.b32 $0, t, {fill:#x}, 0x4140;",
             f"prmt.b32 $1, t, {fill:#x}, 0x4342;",
-        ]
-        if sub128 or scale is not None:
-            lines += [
-                f"mov.b32 one, {one:#x};",
-                f"mov.b32 neg, {neg:#x};",
-                f"fma.rn.{ty} $0, $0, one, neg;",
-                f"fma.rn.{ty} $1, $1, one, neg;",
-            ]
-        args, cons = [x], "=r,=r,r"
-        if scale is not None:
-            lines += [f"fma.rn.{ty} $0, $0, $3, $5;", f"fma.rn.{ty} $1, $1, $4, $6;"]
-            args, cons = [x, scale[i], zero[i]], "=r,=r,r,r,r,r,r"
-        lines.append("}")
+            f"mov.b32 one, {one:#x};",
+            f"mov.b32 neg, {neg:#x};",
+            f"fma.rn.{ty} $0, $0, one, neg;",
+            f"fma.rn.{ty} $1, $1, one, neg;",
+            f"fma.rn.{ty} $0, $0, $3, $5;",
+            f"fma.rn.{ty} $1, $1, $4, $6;",
+            "}",
+        ])  # fmt: skip
         (plane,) = plgpu.elementwise_inline_asm(
-            "\n".join(lines), args=args, constraints=cons, pack=4, result_shape_dtypes=[out]
+            asm,
+            args=[x, scale[i], zero[i]],
+            constraints="=r,=r,r,r,r,r,r",
+            pack=4,
+            result_shape_dtypes=[out],
         )
         planes.append(plane)
     return planes
 
 
 def _dequant(x, bits, asm, dtype, scale, zero):
-    """Planes of ``code * scale + zero`` in ``dtype`` (one rounding: a fused multiply-add)."""
-    if asm:
-        return _planes_asm(x, bits, True, dtype, scale, zero)
-    return [
-        p * sc + z
-        for p, sc, z in zip(_planes(x, bits, True, False, dtype), scale, zero, strict=True)
-    ]
+    """uint8 code tile -> the 8 / bits planes of ``code * scale + zero`` in ``dtype``.
 
-
-def _planes(x, bits, sub128, asm, dtype=jnp.bfloat16):
-    """[..] uint8 -> 8 / bits planes: code (sub128) or base + code (128 bf16, 1024 f16)."""
+    Codes become floats by bit pattern (``base + code``, then ``- base``, exact), not by
+    a quarter-rate int->float conversion. ``asm``: inline PTX with a fused multiply-add
+    (``_dequant_asm``); otherwise the same bit trick in Pallas ops (interpret mode).
+    """
     if asm:
-        return _planes_asm(x, bits, sub128, dtype)
+        return _dequant_asm(x, bits, dtype, scale, zero)
+    base, pattern = _BITS[jnp.dtype(dtype)][:2]
     mask = (1 << bits) - 1
-    out = [_magic(x, bits * i, mask, dtype) for i in range(8 // bits)]
-    base = jnp.asarray(128.0 if dtype == jnp.bfloat16 else 1024.0, dtype)
-    return [o - base for o in out] if sub128 else out
+    planes = []
+    for i in range(8 // bits):
+        b16 = ((x >> (bits * i)) & mask).astype(jnp.uint16) | jnp.uint16(pattern)
+        code = jax.lax.bitcast_convert_type(b16, dtype) - jnp.asarray(base, dtype)
+        planes.append(code * scale[i] + zero[i])
+    return planes
 
 
 def _int_quant_part(
