@@ -2,7 +2,7 @@
 
     oscar-jax demo  [--model DIR] [--out DIR] [--prompt TEXT]
     oscar-jax eval  [--model DIR] --methods bf16,kivi2,oscar2,... --tasks ppl,niah,tni,ablations
-                    --out DIR
+                    --out DIR [--time-budget-s S]
     oscar-jax plot  OUT/results.json   (the PNGs of a run made where matplotlib was missing)
     oscar-jax study [...]       (the synthetic TNI study: ``python3 -m oscar_jax``)
 
@@ -72,7 +72,8 @@ def _settings(args):
         niah_trials=args.niah_trials, niah_batch=args.niah_batch, niah_seed=args.niah_seed,
         tni_windows=args.tni_windows, ablation_base=args.ablation_base,
         residual_length=args.residual, group_size=args.group, cache_dtype=args.cache_dtype,
-        show_progress=not args.quiet,
+        show_progress=not args.quiet, niah_group=args.niah_group,
+        time_budget_s=args.time_budget_s, compile_workers=args.compile_workers,
     )  # fmt: skip
     if args.quick:  # a small run of every task, for a smoke test
         s.ctx, s.ppl_windows, s.tni_windows = min(s.ctx, 1024), 2, 1
@@ -142,16 +143,38 @@ def main(argv=None) -> int:
     e.add_argument("--out", default="oscar-jax-eval")
     e.add_argument("--ctx", type=int, default=4096, help="perplexity context")
     e.add_argument("--ppl-windows", type=int, default=None, help="max windows (default all)")
-    e.add_argument("--ppl-batch", type=int, default=1)
+    e.add_argument("--ppl-batch", type=int, default=None,
+                   help="windows per call (default: up to 32 off-CPU, 1 on a CPU)")  # fmt: skip
     e.add_argument("--niah-lengths", type=_ints, default=(512, 1024, 2048, 4096))
     e.add_argument("--niah-depths", type=_ints, default=tuple(range(0, 101, 10)))
     e.add_argument("--niah-trials", type=int, default=2, help="prompts per (length, depth)")
-    e.add_argument("--niah-batch", type=int, default=11)
+    e.add_argument(
+        "--niah-batch",
+        type=int,
+        default=None,
+        help="prompts per generate call (default: a whole group)",
+    )
+    e.add_argument("--niah-group", default="auto", choices=("auto", "length", "all"),
+                   help="batch NIAH prompts per length, or all lengths in one program "
+                        "(default: all off-CPU, where compiling dominates)")  # fmt: skip
     e.add_argument("--niah-seed", type=int, default=918_273)
     e.add_argument("--tni-windows", type=int, default=4)
     e.add_argument("--ablation-base", default="oscar2")
     e.add_argument("--residual", type=int, default=128, help="R of the methods")
     e.add_argument("--group", type=int, default=32, help="G of the methods")
+    e.add_argument(
+        "--time-budget-s",
+        type=float,
+        default=None,
+        help="wall-clock seconds for the tasks: units (a method of a task) that "
+        "would end later are skipped and listed (default: no limit)",
+    )
+    e.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        help="threads compiling programs ahead (default: by backend; 0: none)",
+    )
     e.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test of all tasks")
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["study"]:

@@ -176,6 +176,19 @@ def cached_logits(m: CausalLM, ids, kv: oj.KVQuantConfig, cache_dtype=None) -> A
     return _logits_jit(m.config, cache_kv_config(kv), dt, m.folded_params(kv), jnp.asarray(ids))
 
 
+def _sds(tree):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
+
+
+def nll_program(m: CausalLM, kv: oj.KVQuantConfig, batch: int, t: int, cache_dtype=None):
+    """A thunk compiling ``window_nll``'s program for windows [batch, t] (for
+    ``models.eval_programs.Precompiler``: the later call finds it compiled)."""
+    mc, ckv, dt = m.config, cache_kv_config(kv), _dtype_name(m, cache_dtype)
+    params = _sds(m.folded_params(kv))
+    ids = jax.ShapeDtypeStruct((batch, t), jnp.int32)
+    return lambda: _nll_jit.lower(mc, ckv, False, dt, params, ids).compile()
+
+
 def window_nll(
     m: CausalLM, windows, kv: oj.KVQuantConfig, *, batch: int = 1, keep_norms: bool = False,
     cache_dtype=None, progress: Progress | None = None,

@@ -137,4 +137,18 @@ def markdown(res: dict) -> str:
     tm = res.get("timing_s", {})
     if tm:
         out += ["Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in tm.items()), ""]
+    last = (res.get("runs") or [{}])[-1]
+    if last.get("compile"):
+        c = last["compile"]
+        out += [
+            f"Last run: {last.get('wall_s', '?')} s wall, {c['programs']} programs "
+            f"compiled ({c['compile_s']:.0f} s of compiling, summed over threads)",
+            "",
+        ]
+    if res.get("skipped"):
+        out += [
+            "Skipped by the time budget (not run, no rows): "
+            + ", ".join(f"{u['task']} {u['unit']}" for u in res["skipped"]),
+            "",
+        ]
     return "\n".join(out)

@@ -43,6 +43,21 @@ def keys(m: CausalLM, windows) -> np.ndarray:
     return np.concatenate(out).astype(np.float32)
 
 
+def keys_program(m: CausalLM, t: int):
+    """A thunk compiling ``keys``' program for windows of ``t`` tokens (ahead of use)."""
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), m.params())
+    ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
+    return lambda: _keys_jit.lower(m.config, params, ids).compile()
+
+
+def key_err_program(kv: oj.KVQuantConfig, shape, cache_dtype="float32"):
+    """A thunk compiling ``key_mse``'s program of one method for keys of ``shape``
+    [N, L, T, Hkv, D] (ahead of use)."""
+    n, nl, t, h, d = shape
+    k = jax.ShapeDtypeStruct((nl, n, t, h, d), jnp.dtype(cache_dtype))
+    return lambda: _key_err_jit.lower(kv, k).compile()
+
+
 def key_norms(k: np.ndarray) -> np.ndarray:
     """[N, L, T, Hkv, D] keys -> [N, L, T, Hkv] l2 norms."""
     return np.linalg.norm(np.asarray(k, np.float32), axis=-1)

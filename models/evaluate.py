@@ -3,9 +3,11 @@
 ``run_eval`` loads nothing itself: it takes a model (``models.from_pretrained``), its
 tokenizer, the held-out tokens and ``Settings``, runs the tasks asked for and
 writes ``results.json``, ``results.md`` and the plots (``key_norms.png``,
-``niah.png``; skipped with a note when matplotlib is missing) into the output
-directory. Each task's numbers are in ``models.eval_ppl``, ``models.eval_niah``
-and ``models.eval_tni``.
+``niah.png``; skipped with a note when matplotlib is missing, their data stay in
+results.json for ``oscar-jax plot``) into the output directory, after every unit
+of work. Each task's numbers are in ``models.eval_ppl``, ``models.eval_niah``
+and ``models.eval_tni``; the units and saving in ``models.eval_tasks``;
+compiling ahead and the time budget in ``models.eval_programs``.
 """
 
 from __future__ import annotations
@@ -17,20 +19,15 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
 
-from models import eval_ppl, eval_tni, sinks
-from models.eval_common import (
-    DEFAULT_METHODS,
-    ablation_methods,
-    make_windows,
-    parse_method,
-    parse_methods,
-)
-from models.eval_report import markdown
+from models import eval_programs as ep
+from models import eval_tasks as et
+from models.eval_common import DEFAULT_METHODS, make_windows, parse_methods
+from models.eval_report import markdown  # noqa: F401  (re-exported: the CLI prints it)
+from models.eval_tasks import decoder  # noqa: F401  (re-exported: used by the demo)
 from models.model import CausalLM
 
 TASKS = ("ppl", "niah", "tni", "ablations")
@@ -44,11 +41,12 @@ class Settings:
     tasks: str = ",".join(TASKS)
     ctx: int = 4096  # perplexity context
     ppl_windows: int | None = None  # None: every window of the held-out sample
-    ppl_batch: int = 1
+    ppl_batch: int | None = None  # windows per call; None: all (<= 32) off-CPU, 1 on a CPU
     niah_lengths: tuple[int, ...] = (512, 1024, 2048, 4096)
     niah_depths: tuple[int, ...] = tuple(range(0, 101, 10))
     niah_trials: int = 2  # prompts per (length, depth) cell
-    niah_batch: int = 11
+    niah_batch: int | None = None  # prompts per generate call; None: a whole group
+    niah_group: str = "auto"  # "length" / "all" (see eval_niah.groups); auto: all off-CPU
     niah_seed: int = 918_273
     niah_new_tokens: int = 8
     tni_windows: int = 4
@@ -60,6 +58,8 @@ class Settings:
     )
     seed: int = 0  # bootstrap
     show_progress: bool = True
+    time_budget_s: float | None = None  # skip units that would end later (None: no limit)
+    compile_workers: int | None = None  # threads compiling ahead (None: by backend; 0: none)
 
     def task_list(self) -> list[str]:
         tasks = [t.strip() for t in self.tasks.split(",") if t.strip()]
@@ -89,26 +89,6 @@ def load_heldout(path: str, tokenizer=None, bos: int | None = None) -> np.ndarra
     return np.asarray(ids, np.int64)
 
 
-def decoder(tokenizer, stop_ids) -> Callable[[list[int]], str]:
-    """Generated ids -> text, cut at the first stop id."""
-
-    def decode(ids) -> str:
-        ids = [int(i) for i in ids]
-        for j, i in enumerate(ids):
-            if i in stop_ids:
-                ids = ids[:j]
-                break
-        return tokenizer.decode(ids)
-
-    return decode
-
-
-def _merge_rows(old: list[dict], new: list[dict]) -> list[dict]:
-    """Rows of ``old`` whose method was not run again, then ``new`` (keyed by method)."""
-    ran = {r["method"] for r in new}
-    return [r for r in old if r["method"] not in ran] + list(new)
-
-
 def _previous(out_dir: str) -> dict:
     path = os.path.join(out_dir, "results.json")
     if not os.path.isfile(path):
@@ -117,10 +97,33 @@ def _previous(out_dir: str) -> dict:
         return json.load(f)
 
 
+def _resolve(s: Settings, n_windows: int) -> tuple[int, str]:
+    """(perplexity windows per call, NIAH grouping) for this backend when left to ``auto``.
+
+    Off-CPU all windows (up to 32) go in one call and all NIAH lengths in one group: one
+    program per method, and compiling, not computing, is what costs there. On a CPU,
+    one window per call and one group per length compute least.
+    """
+    cpu = jax.default_backend() == "cpu"
+    batch = s.ppl_batch if s.ppl_batch is not None else (1 if cpu else max(1, min(n_windows, 32)))
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"ppl_batch={s.ppl_batch!r} must be a positive int or None (auto)")
+    group = s.niah_group if s.niah_group != "auto" else ("length" if cpu else "all")
+    if group not in ("length", "all"):
+        raise ValueError(f"niah_group={s.niah_group!r} must be 'auto', 'length' or 'all'")
+    return batch, group
+
+
 def run_eval(
     m: CausalLM, heldout: np.ndarray | None, out_dir: str, s: Settings, *, model_dir: str = ""
 ) -> dict:
     """Run the tasks of ``s`` and write results.json / results.md / PNGs to ``out_dir``.
+
+    Tasks run in the order tni, ppl, niah, ablations, each in units (one method, or
+    the whole TNI task); results.json and results.md are rewritten after every unit,
+    so a run killed midway keeps what it finished. The programs of all units are
+    compiled ahead in threads (``models.eval_programs``); with ``s.time_budget_s``
+    a unit that would not finish in time is skipped and listed under ``skipped``.
 
     A results.json already in ``out_dir`` from the same model is extended, so that an
     evaluation can run as several commands (tasks, or methods, at a time): rows of the
@@ -128,6 +131,8 @@ def run_eval(
     NLLs only when the windows and cache dtype are the same; niah rows only when the
     grid is), and the bf16 reference of a previous run serves the paired differences.
     """
+    budget = ep.Budget(s.time_budget_s)
+    stats = ep.CompileStats()
     tasks = s.task_list()
     methods = parse_methods(s.methods, s.residual_length, s.group_size)
     mc = m.config
@@ -147,7 +152,7 @@ def run_eval(
         "model": model_dir, "settings": dataclasses.asdict(s), "device": run["device"],
         "jax": jax.__version__, "python": platform.python_version(),
         "model_config": dataclasses.asdict(mc), "runs": prev.get("runs", []) + [run],
-        "timing_s": prev.get("timing_s", {}), "notes": [],
+        "timing_s": prev.get("timing_s", {}), "notes": [], "skipped": budget.skipped,
     })  # fmt: skip
     longest = max([s.ctx] * bool({"ppl", "tni", "ablations"} & set(tasks))
                   + list(s.niah_lengths) * ("niah" in tasks) + [0])  # fmt: skip
@@ -174,130 +179,32 @@ def run_eval(
             for k_ in ("ppl", "ppl_nll", "ablations"):
                 res.pop(k_, None)
         res["ppl_key"], res["ppl_windows"] = key, int(len(windows))
-    k = None
-    if "ppl" in tasks:
-        t0 = time.perf_counter()
-        rows = eval_ppl.perplexity(m, windows, methods, batch=s.ppl_batch, memo=memo,
-                                   cache_dtype=s.cache_dtype, show_progress=s.show_progress,
-                                   seed=s.seed)  # fmt: skip
-        res["ppl"] = _merge_rows(res.get("ppl", []), rows)
-        res["timing_s"]["ppl"] = time.perf_counter() - t0
-        _save(res, out_dir, memo, run)  # after each task: a later timeout keeps it
-    if "niah" in tasks:
-        t0 = time.perf_counter()
-        nz = run_niah(m, methods, s, out_dir)
-        old = res.get("niah")
-        if old and old.get("grid") == nz["grid"]:
-            nz["summary"] = _merge_rows(old["summary"], nz["summary"])
-            nz["cells"] = _merge_rows(old["cells"], nz["cells"])
-            if nz["plot"]:
-                nz["plot"] = eval_tni.plot_niah(nz["cells"], nz["plot"])
-        res["niah"] = nz
-        if nz["plot"] is None:
-            res["notes"].append(eval_tni.NO_MPL + " (niah.png)")
-        res["timing_s"]["niah"] = time.perf_counter() - t0
-        _save(res, out_dir, memo, run)  # after each task: a later timeout keeps it
-    if "tni" in tasks or "ablations" in tasks:
-        k = eval_tni.keys(m, tni_windows)
-    if "tni" in tasks:
-        t0 = time.perf_counter()
-        norms = eval_tni.key_norms(k)
-        rows, summary = eval_tni.tni_summary(norms)
-        plot = eval_tni.plot_norms(norms, os.path.join(out_dir, "key_norms.png"),
-                                   title=os.path.basename(model_dir.rstrip("/")))  # fmt: skip
-        if plot is None:
-            res["notes"].append(eval_tni.NO_MPL + " (key_norms.png)")
-        # per-layer INT2 key error of every method, at 2 bits whatever bits the list asks for
-        int2 = _int2_variants(methods)
-        sm = sinks.sink_metrics(m, None, tni_windows, offset=min(16, s.ctx - 2))
-        summary["attn_on_sink_by_layer"] = np.round(sm["attn_first"].mean(1), 4).tolist()
-        summary["sink_heads"], summary["query_heads"] = sm["sink_heads"], sm["num_heads_total"]
-        res["tni"] = {
-            "summary": summary, "per_head": rows, "plot": plot, "windows": len(tni_windows),
-            "attn_on_sink": np.round(sm["attn_first"], 4).tolist(),  # [L, Hq]
-            # [L, P, Hkv]: window-mean norms of the first positions, for ``replot``
-            "norm_profile": np.round(norms.mean(0)[:, : eval_tni.PROFILE_POS], 5).tolist(),
-            "key_error": eval_tni.key_mse(k, int2, s.show_progress, s.cache_dtype),
-        }  # fmt: skip
-        res["timing_s"]["tni"] = time.perf_counter() - t0
-        _save(res, out_dir, memo, run)  # after each task: a later timeout keeps it
-    if "ablations" in tasks:
-        t0 = time.perf_counter()
-        res["ablations"] = run_ablations(m, windows, k, s, memo)
-        res["timing_s"]["ablations"] = time.perf_counter() - t0
-        _save(res, out_dir, memo, run)  # after each task: a later timeout keeps it
-    _save(res, out_dir, memo, run)
+    batch, group = _resolve(s, 0 if windows is None else len(windows))
+    log = lambda msg: ep.say(f"[{budget.elapsed():5.0f} s] {msg}", s.show_progress)  # noqa: E731
+    ctx = et.Ctx(m, s, out_dir, res, memo, run, budget, stats, log, windows, tni_windows, batch,
+               group, methods, model_dir)  # fmt: skip
+    workers = ep.default_workers() if s.compile_workers is None else s.compile_workers
+    ctx.pre = ep.Precompiler(workers, log)
+    try:
+        et.precompile(ctx, tasks)
+        log(f"{len(ctx.pre.futures)} programs compiling ahead in {workers} threads")
+        for task in ("tni", "ppl", "niah", "ablations"):
+            if task in tasks:
+                t0 = time.perf_counter()
+                et.RUNNERS[task](ctx)
+                res["timing_s"][task] = time.perf_counter() - t0
+                ctx.save()
+    finally:
+        ctx.pre.close()
+    if budget.skipped:
+        res["notes"].append(
+            f"time budget {s.time_budget_s} s: {len(budget.skipped)} unit(s) skipped: "
+            + ", ".join(f"{u['task']} {u['unit']}" for u in budget.skipped)
+        )
+    run["wall_s"] = round(budget.elapsed(), 1)
+    run["skipped"] = budget.skipped
+    ctx.save()
+    log(f"done: {run['compile']['programs']} programs compiled "
+        f"({run['compile']['compile_s']:.0f} s of compiling over threads), "
+        f"{len(budget.skipped)} unit(s) skipped")  # fmt: skip
     return res
-
-
-def _save(res: dict, out_dir: str, memo: dict, run: dict) -> None:
-    """Write results.json and results.md as they stand."""
-    if memo:
-        res["ppl_nll"] = {n: np.asarray(v).tolist() for n, v in memo.items()}
-    names = [r["method"] for r in res.get("ppl", [])]
-    names += [r["method"] for r in res.get("niah", {}).get("summary", [])] + run["methods"]
-    res["methods"] = list(dict.fromkeys(names))
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump(res, f, indent=1, default=_json_default)
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(markdown(res))
-
-
-def _json_default(x):
-    if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    return str(x)
-
-
-def _int2_variants(methods):
-    """Each quantized method of the list at 2 bits (names kept when already 2-bit), in order."""
-    out, seen = [], set()
-    for mt in methods:
-        if not mt.quantized:
-            continue
-        name = mt.name if mt.kv.bits == 2 else mt.name.replace(f"{mt.kv.bits}", "2", 1)
-        if name not in seen:
-            seen.add(name)
-            out.append(parse_method(name, mt.kv.residual_length, mt.kv.group_size))
-    return out
-
-
-def run_niah(m: CausalLM, methods, s: Settings, out_dir: str) -> dict:
-    from models import eval_niah
-
-    if m.tokenizer is None:
-        raise ValueError("task niah needs the model's tokenizer (tokenizer.json in --model)")
-    mc = m.config
-    enc = eval_niah.make_encode(m.tokenizer, mc.bos_token_id)
-    prompts = eval_niah.build_prompts(enc, s.niah_lengths, s.niah_depths, s.niah_trials,
-                                      s.niah_seed)  # fmt: skip
-    dec = decoder(m.tokenizer, set(mc.eos_token_ids))
-    rows, cells = eval_niah.niah(m, methods, prompts, dec, batch=s.niah_batch,
-                                 max_new_tokens=s.niah_new_tokens, cache_dtype=s.cache_dtype,
-                                 show_progress=s.show_progress)  # fmt: skip
-    plot = eval_tni.plot_niah(cells, os.path.join(out_dir, "niah.png"))
-    grid = {"lengths": list(s.niah_lengths), "depths": list(s.niah_depths),
-            "trials": s.niah_trials, "seed": s.niah_seed, "new_tokens": s.niah_new_tokens,
-            "cache_dtype": s.cache_dtype, "R": s.residual_length, "G": s.group_size}  # fmt: skip
-    return {"summary": rows, "cells": cells, "plot": plot, "grid": grid,
-            "prompt_tokens": {str(n): int(np.mean([len(p["ids"]) for p in prompts
-                                                   if p["length"] == n]))
-                              for n in s.niah_lengths}}  # fmt: skip
-
-
-def run_ablations(m: CausalLM, windows, k, s: Settings, memo: dict) -> list[dict]:
-    """Perplexity and INT2 key error of the base method with one factor changed at a time."""
-    spec = ablation_methods(s.ablation_base, s.residual_length, s.group_size)
-    names = ["bf16"] + list(dict.fromkeys(n for _, _, n in spec))
-    methods = parse_methods(names, s.residual_length, s.group_size)
-    ppl = {r["method"]: r for r in eval_ppl.perplexity(
-        m, windows, methods, batch=s.ppl_batch, memo=memo, cache_dtype=s.cache_dtype,
-        show_progress=s.show_progress, seed=s.seed)}  # fmt: skip
-    err: dict = {}
-    qm = [mt for mt in methods if mt.quantized]
-    for r in eval_tni.key_mse(k, qm, s.show_progress, s.cache_dtype):
-        err.setdefault(r["method"], []).append(r["key_mse"])
-    return [{"factor": f, "setting": v, "method": n, **ppl[n],
-             "key_mse_layer_mean": float(np.mean(err[n]))} for f, v, n in spec]  # fmt: skip

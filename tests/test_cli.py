@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,7 @@ from tiny_hf import make_tiny_hf_dir  # noqa: E402
 
 import models  # noqa: E402
 from models import cli  # noqa: E402
+from models import eval_tasks as et  # noqa: E402
 from models import evaluate as ev  # noqa: E402
 from models.eval_common import make_windows  # noqa: E402
 
@@ -60,7 +62,7 @@ def test_demo_then_eval(tiny_dir, tmp_path, capsys, monkeypatch):
 
     # two ablation rows instead of ten (each row is a compilation); the list itself is
     # checked in tests/test_eval.py::test_method_names
-    monkeypatch.setattr(ev, "ablation_methods", lambda base, r, g: [
+    monkeypatch.setattr(et, "ablation_methods", lambda base, r, g: [
         ("residual R", "0", f"{base}_r0"), ("residual R", str(r), base)])  # fmt: skip
     out = tmp_path / "eval"
     rc = cli.main([
@@ -144,3 +146,57 @@ def test_python_dash_m_models():
     r = subprocess.run([sys.executable, "-m", "models", "demo", "--help"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0 and "--model" in r.stdout and "proxy" in r.stdout
+
+
+def _small(**kw):
+    s = ev.Settings(methods="bf16,oscar2", ctx=256, ppl_windows=2, niah_lengths=(256,),
+                    niah_depths=(0, 100), niah_trials=1, tni_windows=1,
+                    show_progress=False)  # fmt: skip
+    return dataclasses.replace(s, **kw)
+
+
+def test_eval_without_matplotlib_then_over_budget(tiny_dir, tmp_path, monkeypatch):
+    """Without matplotlib the data of the plots are still written; a run whose budget is
+    spent skips every unit, says so, and keeps what an earlier run wrote."""
+    from models import eval_tni
+
+    monkeypatch.setattr(eval_tni, "_pyplot", lambda: None)
+    m = models.from_pretrained(tiny_dir)
+    held = np.load(os.path.join(tiny_dir, "heldout_sample.npy"))
+    out = tmp_path / "e"
+    res = ev.run_eval(m, held, str(out), _small(tasks="tni,niah"), model_dir=tiny_dir)
+    assert not list(out.glob("*.png"))
+    assert sum(eval_tni.NO_MPL in n for n in res["notes"]) == 2
+    saved = json.loads((out / "results.json").read_text())
+    assert np.asarray(saved["tni"]["norm_profile"]).shape[0] == m.config.num_layers
+    assert len(saved["niah"]["cells"]) == 2 * 2 and saved["skipped"] == []
+    assert saved["runs"][-1]["compile"]["programs"] >= 1
+    res2 = ev.run_eval(m, held, str(out), _small(tasks="ppl,niah", time_budget_s=1e-9),
+                       model_dir=tiny_dir)  # fmt: skip
+    units = [(u["task"], u["unit"]) for u in res2["skipped"]]
+    assert units == [("ppl", "bf16"), ("ppl", "oscar2"), ("niah", "bf16"), ("niah", "oscar2")]
+    saved2 = json.loads((out / "results.json").read_text())
+    assert saved2["niah"]["summary"] == saved["niah"]["summary"] and "ppl" not in saved2
+    assert "Skipped by the time budget" in (out / "results.md").read_text()
+    assert any("4 unit(s) skipped" in n for n in res2["notes"])
+    with pytest.raises(ValueError, match="time_budget_s"):
+        ev.run_eval(m, held, str(out), _small(time_budget_s=0), model_dir=tiny_dir)
+
+
+def test_eval_batched_forms_equal_per_call_forms(tiny_dir, tmp_path):
+    """All windows in one call and all NIAH lengths in one program (the GPU defaults) give
+    the per-window / per-length results; compiling ahead in threads changes nothing."""
+    m = models.from_pretrained(tiny_dir)
+    held = np.load(os.path.join(tiny_dir, "heldout_sample.npy"))
+    kw = dict(tasks="ppl,niah", niah_lengths=(128, 256), niah_depths=(0, 50, 100))
+    sa = _small(ppl_batch=1, niah_group="length", compile_workers=0, **kw)
+    sb = _small(ppl_batch=2, niah_group="all", niah_batch=4, compile_workers=2, **kw)
+    a = ev.run_eval(m, held, str(tmp_path / "a"), sa)
+    b = ev.run_eval(m, held, str(tmp_path / "b"), sb)
+    for ra, rb in zip(a["ppl"], b["ppl"], strict=True):
+        assert ra["method"] == rb["method"] and ra["ppl"] == pytest.approx(rb["ppl"], rel=1e-5)
+    assert a["niah"]["cells"] == b["niah"]["cells"] and len(a["niah"]["cells"]) == 2 * 6
+    assert a["runs"][-1]["compile"]["precompile_failed"] == []
+    assert b["runs"][-1]["compile"]["precompile_failed"] == []
+    with pytest.raises(ValueError, match="niah_group"):
+        ev.run_eval(m, held, str(tmp_path / "c"), _small(niah_group="depth", **kw))

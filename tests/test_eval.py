@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -238,3 +240,68 @@ def test_tni_summary_and_int2_key_error_on_planted_sinks():
     assert set(by) == {"kivi2", "oscar2"}  # bf16 has no quantization error to report
     # KIVI crushes the low-norm sink's key; OScaR keeps it (the paper's point)
     assert by["kivi2"]["sink_key_rel_err"] > 0.5 > 0.3 > by["oscar2"]["sink_key_rel_err"]
+
+
+def test_programs_compiled_ahead_are_the_ones_called(tiny, caplog):
+    """``nll_program`` / ``generate_program`` / ``key_err_program`` compile what the later
+    calls run: those calls compile nothing more (else the evaluation compiles twice)."""
+    from models import eval_niah, eval_programs
+    from models.generate import trace_count
+
+    kv = _kv("oscar2_pertoken")
+    ids = np.random.default_rng(3).integers(0, 256, (3, T)).astype(np.int32)
+    eval_ppl.nll_program(tiny, kv, 2, T, "bfloat16")()
+    k = np.asarray(jax.random.normal(jax.random.PRNGKey(0), (1, 2, T, 2, 32)))
+    eval_tni.key_err_program(kv, k.shape, "bfloat16")()
+    enc = lambda s: [1] + list(s.encode("utf-8"))  # noqa: E731
+    prompts = eval_niah.build_prompts(enc, (200, 240), (0, 100), 1, seed=3)
+    n0 = trace_count("generate")
+    eval_niah.generate_program(tiny, prompts, kv, None, 6, cache_dtype="bfloat16")()
+    assert trace_count("generate") == n0 + 1
+    stats = eval_programs.CompileStats()
+    jax.config.update("jax_log_compiles", True)
+    caplog.set_level(logging.WARNING)
+    nll, _ = eval_ppl.window_nll(tiny, ids, kv, batch=2, cache_dtype="bfloat16")
+    eval_tni.key_mse(k, [parse_method("oscar2_pertoken_r16_g16")], False, "bfloat16")
+    hits = eval_niah.niah_method(tiny, parse_method("oscar2_pertoken_r16_g16"), prompts,
+                                 lambda ids: "", max_new_tokens=6, cache_dtype="bfloat16",
+                                 group="all")  # fmt: skip
+    jax.config.update("jax_log_compiles", False)
+    compiled = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.message]
+    assert len(compiled) == stats.get()["programs"] <= 3  # small helpers only (dtype casts)
+    assert not [c for c in compiled if any(f in c for f in ("_nll", "_key_err", "_generate"))]
+    assert trace_count("generate") == n0 + 1
+    assert nll.shape == (3, T - 1) and np.isfinite(nll).all() and len(hits) == 4
+
+
+def test_budget_skips_what_would_not_finish():
+    from models.eval_programs import Budget
+
+    b = Budget(None)
+    assert b.allows("ppl", "x") and not b.skipped
+    b = Budget(100.0)
+    assert b.allows("ppl", "bf16")  # nothing seen yet: expected to take `first` = 0 s
+    b.done("ppl", 60.0)
+    assert b.allows("ppl", "kivi2")  # ~0 s elapsed + 60 s expected <= 100 s
+    b.done("ppl", 150.0)  # the longest unit seen is what the next one is expected to take
+    assert b.allows("niah", "bf16")  # another kind
+    assert not b.allows("ppl", "oscar2")
+    assert [(u["task"], u["unit"], u["expected_s"]) for u in b.skipped] == [
+        ("ppl", "oscar2", 150.0)]  # fmt: skip
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="time_budget_s"):
+            Budget(bad)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_resolve_without_perplexity_windows(monkeypatch, backend):
+    """--tasks niah (no windows) must not fail the perplexity batch check (it did on the GPU)."""
+    from models import evaluate
+
+    monkeypatch.setattr(evaluate.jax, "default_backend", lambda: backend)
+    batch, group = evaluate._resolve(evaluate.Settings(), 0)
+    assert batch == 1
+    assert group == ("length" if backend == "cpu" else "all")
+    assert evaluate._resolve(evaluate.Settings(), 31)[0] == (1 if backend == "cpu" else 31)
+    with pytest.raises(ValueError, match="ppl_batch"):
+        evaluate._resolve(evaluate.Settings(ppl_batch=0), 31)
