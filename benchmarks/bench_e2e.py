@@ -6,7 +6,9 @@ kernel (``--caches bf16,oscar2``: BF16 and OScaR INT2, with ``--impl``, default 
 kernels; ``bf16:cudnn`` / ``bf16:xla`` add other BF16 attentions, the fastest BF16 one is
 compared). The decode program is ``models.generate``'s per-step ``_decode`` (all layers,
 unrolled over per-layer caches, greedy sampling) in a device loop over caches filled to the
-context (see ``e2e_common``): no long forward pass except in ``prefill32k``.
+context (see ``e2e_common``): no long forward pass except in ``prefill32k``. The weights are
+in the per-layer form (a tuple of layer dicts, each its own buffers) that the step reads in
+place; ``prefill32k``'s forward runs the layers in a Python loop over them.
 
 Workloads (``--workloads``, run in the given order; ``--budget-s`` skips the rest):
 
@@ -81,6 +83,9 @@ class Bench:
         self.cfg, self.name = cfg, name
         t = time.perf_counter()
         self.params = ec.random_params(cfg, ec.param_shardings(cfg, device=self.dev), a.seed)
+        if a.params_layout == "stacked":  # the old layout (A/B): the step slices each layer
+            per, self.params = self.params["layers"], layers.stack_layers(self.params)
+            ec.delete(per)  # the per-layer copies (embedding, norm, head are shared)
         jax.block_until_ready(self.params)
         self.pabs = jax.tree_util.tree_map(lambda x: ec.abstract(x.shape, x.dtype, x.sharding),
                                            self.params)  # fmt: skip
@@ -407,6 +412,9 @@ def parse_args(argv=None):
     ap.add_argument("--copy-mib", type=int, default=None)
     ap.add_argument("--jax-cache", default="", help="persistent compilation cache directory")
     ap.add_argument("--resume", default="", help="earlier JSON: its ok units are kept, not re-run")
+    ap.add_argument("--params-layout", default="layers", choices=("layers", "stacked"),
+                    help="weights per layer (read in place) or stacked [L, ...] (sliced per "
+                    "step: the old layout, for an A/B timing)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="2-layer models, small contexts (CPU)")
     ap.add_argument("--out", default="benchmarks/results/e2e")

@@ -2,7 +2,9 @@
 
 * Pseudo-random bf16 weights of the real shapes (std 0.02, from an integer hash of each
   element's index), made on the device in one jit, optionally straight into a mesh
-  layout: nothing float32 is materialised, on the host or the device. The value
+  layout: nothing float32 is materialised, on the host or the device. The layers are
+  in the per-layer form (``models.layers.unstack_layers``: a tuple of L dicts, each
+  layer its own buffers), which the decode step reads in place. The value
   rotation is not folded: folding an orthogonal matrix into random weights gives another
   random draw, so the weights are taken as already folded (the cache config has
   ``rotate_values=False``, as ``models.generate.prepare`` hands it).
@@ -128,11 +130,12 @@ def abstract(shape, dtype, sharding):
 
 
 def param_shardings(cfg, mesh=None, device=None):
+    """Shardings of the per-layer params (``random_params``: ``layers`` a tuple of L dicts)."""
     if mesh is None:
         s = SingleDeviceSharding(device or jax.devices()[0])
-        return jax.tree_util.tree_map(lambda _: s, layers.param_shapes(cfg),
-                                      is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
-    return msh.param_shardings(cfg, mesh)
+        return jax.tree_util.tree_map(lambda _: s, layers.param_shapes(cfg, per_layer=True),
+                                      is_leaf=layers.is_shape)  # fmt: skip
+    return msh.param_shardings(cfg, mesh, per_layer=True)
 
 
 def _mix32(x):
@@ -144,14 +147,15 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def hash_uniform(shape, salt: int):
-    """Pseudo-random float32 in [0, 1) from a hash of each element's index.
+def hash_uniform(shape, salt: int, offset: int = 0):
+    """Pseudo-random float32 in [0, 1) from a hash of each element's index (plus ``offset``:
+    a part of a bigger array, e.g. one layer's, gets that array's values).
 
     Elementwise integer ops only: it compiles in a blink and fuses into its consumer
     (``jax.random``'s threefry takes seconds to compile per shape on CPU). Indices wrap
     at 2^32 elements (a repeated pattern past that is harmless for timing).
     """
-    idx = jnp.zeros(shape, jnp.uint32)
+    idx = jnp.full(shape, offset % 2**32, jnp.uint32)
     stride = 1
     for ax in range(len(shape) - 1, -1, -1):
         idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * jnp.uint32(stride % 2**32)
@@ -163,26 +167,32 @@ def hash_uniform(shape, salt: int):
 def random_params(cfg: ModelConfig, shardings, seed: int = 0, dtype=jnp.bfloat16) -> dict:
     """Weights ~ U with std 0.02 (ones for norms, zeros for biases) in ``dtype``, on the device.
 
-    One jit, fused per tensor: nothing float32 is materialised, on the host or the device.
+    The per-layer form (``layers.unstack_layers``: what the decode step reads in place);
+    layer l's tensor holds the values of slice l of the stacked one (salted by its index in
+    the stacked tree, hashed by its stacked element index). One jit, fused per tensor:
+    nothing float32 is materialised, on the host or the device.
     """
     shapes = layers.param_shapes(cfg)
-    flat, tree = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple)
-    )
-    names = [str(getattr(p[-1], "key", p[-1])) for p, _ in flat]
+    flat, _ = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=layers.is_shape)
+    salt = {tuple(str(getattr(k, "key", k)) for k in p): 1000 * seed + i
+            for i, (p, _) in enumerate(flat)}  # fmt: skip
     half = 0.02 * np.sqrt(3.0)  # U(-a, a) has std a / sqrt(3)
 
+    def tensor(name, shape, key, offset=0):
+        if "norm" in name:
+            return jnp.ones(shape, dtype)
+        if name.startswith("b"):
+            return jnp.zeros(shape, dtype)
+        return (half * (2.0 * hash_uniform(shape, salt[key], offset) - 1.0)).astype(dtype)
+
     def build():
-        out = []
-        for i, (name, (_, shape)) in enumerate(zip(names, flat, strict=True)):
-            if "norm" in name:
-                out.append(jnp.ones(shape, dtype))
-            elif name.startswith("b"):
-                out.append(jnp.zeros(shape, dtype))
-            else:
-                u = hash_uniform(shape, 1000 * seed + i)
-                out.append((half * (2.0 * u - 1.0)).astype(dtype))
-        return jax.tree_util.tree_unflatten(tree, out)
+        out = {k: tensor(k, s, (k,)) for k, s in shapes.items() if k != "layers"}
+        out["layers"] = tuple(
+            {k: tensor(k, s[1:], ("layers", k), i * int(np.prod(s[1:])))
+             for k, s in shapes["layers"].items()}
+            for i in range(cfg.num_layers)
+        )  # fmt: skip
+        return out
 
     return jax.jit(build, out_shardings=shardings)()
 

@@ -8,12 +8,26 @@ caches, an in-place update whose update is a whole layer, a fusion rewriting it,
 (the CPU compiler computes bfloat16 in float32)::
 
     print(format_copies(whole_cache_copies(compiled.as_text(), cache_shapes(caches))))
+
+The same scan finds weight copies (``weight_shapes``): a layer sliced out of stacked
+[L, ...] params is a copy wherever it feeds a GEMM at larger batch (and on the CPU).
+From the command line, one decode step (``models.generate``'s, all layers) of a model
+is compiled from abstract shapes (nothing allocated: full-size configs compile on the
+CPU) for each cache / batch / params layout, and its whole-cache and whole-weight
+writes are counted::
+
+    python3 benchmarks/hlo_copies.py --model llama31_8b --batch 1,48 --caches bf16,oscar2
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
+import os
 import re
+import sys
+import time
 
 import jax
 import numpy as np
@@ -96,6 +110,18 @@ def cache_shapes(tree, stacked: bool = False) -> set[tuple[int, ...]]:
     return out | {s[1:] for s in out} if stacked else out
 
 
+def weight_shapes(params) -> set[tuple[int, ...]]:
+    """Dims of the weight matrices of a params tree: each layer's (the leading layer axis
+    dropped when stacked), the embedding and the head (vectors: norms and biases are left
+    out, their dims are an activation's at batch 1)."""
+    lay = params["layers"]
+    stacked = not isinstance(lay, tuple | list)
+    top = [x for k, x in params.items() if k != "layers"]
+    out = {tuple(x.shape[1:] if stacked else x.shape) for x in jax.tree_util.tree_leaves(lay)}
+    out |= {tuple(x.shape) for x in top}
+    return {s for s in out if len(s) >= 2 and np.prod(s) > 1024}
+
+
 def loop_computations(hlo_text: str) -> set[str]:
     """Computations that run inside a ``while`` loop (bodies and what they call)."""
     comps = parse(hlo_text)
@@ -147,3 +173,77 @@ def format_copies(found: list[Instr]) -> str:
     """One line per instruction, then the count and total bytes."""
     total = f"{len(found)} whole-cache writes, {sum(i.nbytes for i in found)} B"
     return "\n".join([*map(str, found), total])
+
+
+# -- command line: copies in one compiled decode step of a full-size model -------------------
+def step_copies(cfg, spec, batch: int, ctx: int, per_layer: bool, dtype: str) -> dict:
+    """Compile one donated decode step from abstract shapes -> copy counts and bytes."""
+    import importlib
+
+    import jax.numpy as jnp
+
+    from models import layers, memory
+
+    gen = importlib.import_module("models.generate")
+    st = gen.Static(
+        model=cfg, kv=spec.kv, max_len=ctx, cache_dtype=dtype, implementation=spec.impl,
+        encode_implementation="xla", greedy=True, top_k=None, use_top_p=False,
+        stop_tokens=(), pad_id=0,
+    )  # fmt: skip
+    params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)),
+                                    layers.param_shapes(cfg, per_layer=per_layer),
+                                    is_leaf=layers.is_shape)  # fmt: skip
+    caches = (memory.abstract_cache(cfg, spec.kv, batch=batch, max_len=ctx, dtype=dtype),)
+    caches *= cfg.num_layers
+    tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    t = time.perf_counter()
+    text = gen._step_jit_donated.lower(st, params, caches, tok, tok).compile().as_text()
+    out = dict(cache=spec.label, batch=batch, ctx=ctx, layout="layers" if per_layer else "stacked",
+               dtype=dtype, compile_s=round(time.perf_counter() - t, 1))  # fmt: skip
+    for what, shapes in (("weight", weight_shapes(params)), ("cache", cache_shapes(caches))):
+        found = whole_cache_copies(text, shapes)
+        out[f"{what}_copies"], out[f"{what}_bytes"] = len(found), sum(i.nbytes for i in found)
+        out[f"{what}_first"] = [str(i) for i in found[:3]]
+    return out
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description="Whole-weight / whole-cache writes of a decode step")
+    ap.add_argument("--model", default="llama31_8b", help="llama31_8b or qwen3_8b")
+    ap.add_argument("--tiny", action="store_true", help="the 2-layer config of the same family")
+    ap.add_argument("--batch", default="1,48", help="batch sizes, comma separated")
+    ap.add_argument("--ctx", type=int, default=4096, help="cache length (max_len)")
+    ap.add_argument("--caches", default="bf16,oscar2", help="name[:impl],... (e2e_common)")
+    ap.add_argument("--layouts", default="stacked,layers", help="params: stacked, layers")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help="params and caches (bfloat16 on the CPU adds whole-array converts)",
+    )
+    ap.add_argument("--out", default="", help="JSON file for the results")
+    a = ap.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import e2e_common as ec
+
+    cfg = ec.model_config(a.model, a.tiny)
+    bad = [x for x in a.layouts.split(",") if x not in ("stacked", "layers")]
+    if bad:
+        ap.error(f"layouts {bad} must be stacked or layers")
+    rows = []
+    for spec in ec.parse_caches(a.caches, "xla"):
+        for b in (int(x) for x in a.batch.split(",")):
+            for lay in a.layouts.split(","):
+                r = step_copies(cfg, spec, b, a.ctx, lay == "layers", a.dtype)
+                rows.append(r)
+                print(f"{r['cache']:12s} b={b:<4d} {lay:8s} weights: {r['weight_copies']:4d} "
+                      f"copies {r['weight_bytes'] / 2**30:7.3f} GiB | caches: "
+                      f"{r['cache_copies']} copies {r['cache_bytes'] / 2**30:.3f} GiB  "
+                      f"({r['compile_s']} s compile)", flush=True)  # fmt: skip
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(model=a.model, tiny=a.tiny, rows=rows), f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -98,7 +98,7 @@ def generate_program(m, prompts, kv, batch, max_new, stop_tokens=None, cache_dty
     ids, lens, _, max_len = next(_batches(m, prompts, batch, max_new))
     p = prepare(m, ids, max_new_tokens=max_new, kv=kv, lengths=lens, max_len=max_len,
                 cache_dtype=cache_dtype, stop_tokens=stop_tokens)  # fmt: skip
-    args = (p.st, int(max_new), p.params, p.ids, p.lengths, jax.random.key(0),
+    args = (p.st, int(max_new), p.decode_params, p.ids, p.lengths, jax.random.key(0),
             jnp.float32(1e-6), jnp.float32(1.0))  # as generate() passes them (greedy)  # fmt: skip
     return lambda: _generate_jit.lower(*args).compile()
 

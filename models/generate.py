@@ -5,7 +5,9 @@ bucket) runs through the layers with full-precision causal attention; its
 post-RoPE keys and (rotation-folded) values fill one cache per layer (a tuple of
 L ``KVCache``s); then a ``lax.scan`` over the new tokens carries (caches, last
 token, PRNG key, per-row stop state) and per step runs ``models.step._decode``: the
-layers unrolled over their caches, each updated in place (see ``models.step``).
+layers unrolled over their caches, each updated in place (see ``models.step``). The
+params are ``CausalLM.decode_params``: the layers unstacked once (a tuple of per-layer
+dicts, cached by the model), so prefill and every step read the weights where they lie.
 
 Stopping: a row stops at a stop token, or as soon as its caches are flagged
 (``FLAG_*`` of ``oscar_jax.cache``, OR-ed over layers) or its logits are not
@@ -153,10 +155,28 @@ _step_jit_donated = jax.jit(_step, static_argnums=0, donate_argnums=2)  # caches
 
 # -- host-side API ------------------------------------------------------------------
 class Prepared(NamedTuple):
+    """A validated call: static config, padded inputs, and where its params come from."""
+
     st: Static
-    params: dict
     ids: jax.Array  # [B, T_bucket] int32, right-padded
     lengths: jax.Array  # [B] int32
+    model: CausalLM
+    kv: oj.KVQuantConfig  # as given (its value rotation is folded into the params)
+
+    @property
+    def decode_params(self) -> dict:
+        """What the programs run on: ``CausalLM.decode_params`` (per-layer, folded, placed on
+        the mesh if any; built on first use, cached by the model)."""
+        return self.model.decode_params(self.kv, self.st.mesh, self.st.axes)
+
+    @property
+    def params(self) -> dict:
+        """The stacked form (folded, placed): ``folded_params`` / ``sharded_params``, built on
+        first use and cached by the model (a further copy of the weights: for inspection and
+        programs written for stacked params; the step runs on both forms)."""
+        if self.st.mesh is None:
+            return self.model.folded_params(self.kv)
+        return self.model.sharded_params(self.kv, self.st.mesh, self.st.axes)
 
 
 def prepare(
@@ -178,7 +198,11 @@ def prepare(
     mesh: Mesh | None = None,
     mesh_axes: osh.MeshAxes = osh.AXES,
 ) -> Prepared:
-    """Validate the inputs (ValueError on bad ids / lengths / sizes) and build the static config."""
+    """Validate the inputs (ValueError on bad ids / lengths / sizes) and build the static config.
+
+    The params are the model's ``decode_params`` (``Prepared.decode_params``), made on
+    first use and cached by the model.
+    """
     if not isinstance(kv, oj.KVQuantConfig):
         raise ValueError(f"kv={kv!r} must be a KVQuantConfig (see oscar_jax.preset)")
     ids = m.check_ids(input_ids)
@@ -231,11 +255,10 @@ def prepare(
         stop_tokens=stops, pad_id=int(pad_token_id), mesh=mesh, axes=mesh_axes,
     )  # fmt: skip
     ids_j, lens_j = jnp.asarray(pad), jnp.asarray(lens, jnp.int32)
-    if mesh is None:
-        return Prepared(st, m.folded_params(kv), ids_j, lens_j)
-    ids_j = jax.device_put(ids_j, msh.rows(mesh, mesh_axes, 2))
-    lens_j = jax.device_put(lens_j, msh.rows(mesh, mesh_axes))
-    return Prepared(st, m.sharded_params(kv, mesh, mesh_axes), ids_j, lens_j)
+    if mesh is not None:
+        ids_j = jax.device_put(ids_j, msh.rows(mesh, mesh_axes, 2))
+        lens_j = jax.device_put(lens_j, msh.rows(mesh, mesh_axes))
+    return Prepared(st, ids_j, lens_j, m, kv)
 
 
 def _check_mesh(mc: ModelConfig, kv, mesh, ax, batch: int, max_len: int, implementation: str):
@@ -310,7 +333,7 @@ def generate(
     )  # fmt: skip
     key = jax.random.key(seed)
     out, info = _generate_jit(
-        p.st, int(max_new_tokens), p.params, p.ids, p.lengths, key,
+        p.st, int(max_new_tokens), p.decode_params, p.ids, p.lengths, key,
         jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p or 1.0),
     )  # fmt: skip
     return (out, info) if return_info else out
@@ -322,7 +345,7 @@ def prefill(m: CausalLM, input_ids, kv: oj.KVQuantConfig, *, max_new_tokens: int
     ``caches``: a tuple of L per-layer ``KVCache``s (``stack_caches`` stacks them).
     """
     p = prepare(m, input_ids, max_new_tokens=max_new_tokens, kv=kv, **kw)
-    logits, caches = _prefill_jit(p.st, p.params, p.ids, p.lengths)
+    logits, caches = _prefill_jit(p.st, p.decode_params, p.ids, p.lengths)
     return logits, caches, p
 
 
@@ -337,7 +360,7 @@ def decode_step(p: Prepared, caches, tok, pos, *, donate: bool = False):
     if p.st.mesh is not None:
         tok, pos = jax.device_put((tok, pos), msh.rows(p.st.mesh, p.st.axes))
     fn = _step_jit_donated if donate else _step_jit
-    return fn(p.st, p.params, tuple(caches), tok, pos)
+    return fn(p.st, p.decode_params, tuple(caches), tok, pos)
 
 
 def generate_stepwise(m: CausalLM, input_ids, max_new_tokens: int, kv=None, lengths=None,

@@ -8,7 +8,11 @@ Params (``[in, out]`` weight layout, ``L`` layers, ``Dq = heads * head_dim``)::
             optional bq [L, Dq], bk, bv [L, Dkv], bo [L, Hd] (qkv_bias / o_bias),
             optional q_norm, k_norm [L, head_dim] (qk_norm)
 
-Layers run under ``jax.lax.scan`` over the stacked leading axis. Norms, RoPE,
+Layers run under ``jax.lax.scan`` over the stacked leading axis. The per-layer form
+(``unstack_layers``: ``layers`` a tuple of L dicts, each layer's arrays their own
+buffers) is what decoding reads: a layer sliced out of the stacked arrays is a copy
+wherever it feeds a GEMM at larger batch, every step; with the per-layer form the
+layers run in a Python loop and read the weights where they lie. Norms, RoPE,
 softmax and logits are computed in float32; matmuls in the params' dtype with
 float32 accumulation.
 """
@@ -126,15 +130,64 @@ def embed(params, ids):
     return jnp.take(params["embed"], ids, axis=0)
 
 
-def forward(cfg: ModelConfig, params, ids, positions=None, valid=None, keep_kv=False):
-    """Run all layers with lax.scan: hidden states [B,T,Hd] (pre final norm) and K/V per layer.
+def is_per_layer(params) -> bool:
+    """Whether ``params["layers"]`` is the per-layer form (a tuple of L dicts)."""
+    return isinstance(params["layers"], tuple | list)
 
-    K/V are ``[L, B, T, Hkv, D]`` when ``keep_kv`` (else None).
+
+def num_layers(params) -> int:
+    lay = params["layers"]
+    return len(lay) if is_per_layer(params) else jax.tree_util.tree_leaves(lay)[0].shape[0]
+
+
+def unstack_layers(params: dict) -> dict:
+    """Params with ``layers`` as a tuple of L per-layer dicts (each layer its own buffers).
+
+    A copy of the layer weights, made eagerly (call it once, outside ``jit``); per-layer
+    params come back as they are. ``CausalLM.decode_params`` builds (and caches) the
+    decoding form of a model layer by layer (folded, placed on a mesh).
+    """
+    if is_per_layer(params):
+        return params
+    n = num_layers(params)
+    lay = tuple({k: a[i] for k, a in params["layers"].items()} for i in range(n))
+    return {**params, "layers": lay}
+
+
+def stack_layers(params: dict) -> dict:
+    """The inverse of ``unstack_layers``: layers stacked on a leading axis (a copy)."""
+    if not is_per_layer(params):
+        return params
+    lay = params["layers"]
+    return {**params, "layers": {k: jnp.stack([lp[k] for lp in lay]) for k in lay[0]}}
+
+
+_block_jit = jax.jit(block, static_argnums=0)  # per-layer forward: traced once for all L
+
+
+def forward(cfg: ModelConfig, params, ids, positions=None, valid=None, keep_kv=False,
+            stack_kv=True):  # fmt: skip
+    """Run all layers: hidden states [B,T,Hd] (pre final norm) and K/V per layer.
+
+    Stacked params: ``lax.scan`` over the layer axis. Per-layer params: a Python loop
+    over the layers (one jitted ``block``, traced once), no stacking of the weights.
+    K/V are ``[L, B, T, Hkv, D]`` when ``keep_kv`` (else None); with per-layer params
+    and ``stack_kv=False``, tuples of L ``[B, T, Hkv, D]`` (no stacking copy).
     """
     b, t = ids.shape
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     x = embed(params, ids)
+    if is_per_layer(params):
+        kvs = []
+        for lp in params["layers"]:
+            x, kv = _block_jit(cfg, lp, x, positions, valid)
+            if keep_kv:
+                kvs.append(kv)
+        if not keep_kv:
+            return x, None
+        k, v = zip(*kvs, strict=True)
+        return x, ((jnp.stack(k), jnp.stack(v)) if stack_kv else (k, v))
 
     def step(x, lp):
         x, kv = block(cfg, lp, x, positions, valid)
@@ -160,8 +213,12 @@ def logits_fn(cfg: ModelConfig, params, ids):
     return lm_head(cfg, params, x)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Shapes of every parameter (stacked layers), as a nested dict of tuples."""
+def param_shapes(cfg: ModelConfig, per_layer: bool = False) -> dict:
+    """Shapes of every parameter (stacked layers), as a nested dict of tuples.
+
+    ``per_layer``: ``layers`` is a tuple of L dicts of the per-layer shapes (walk it
+    with ``is_leaf=is_shape``: the tuple of layers is a tuple too).
+    """
     L, h, i, d = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     lay = dict(
         attn_norm=(L, h), mlp_norm=(L, h),
@@ -174,7 +231,14 @@ def param_shapes(cfg: ModelConfig) -> dict:
         lay.update(bo=(L, h))
     if cfg.qk_norm:
         lay.update(q_norm=(L, d), k_norm=(L, d))
+    if per_layer:
+        lay = tuple({k: s[1:] for k, s in lay.items()} for _ in range(L))
     out = dict(embed=(cfg.vocab_size, h), norm=(h,), layers=lay)
     if not cfg.tie_word_embeddings:
         out["lm_head"] = (h, cfg.vocab_size)
     return out
+
+
+def is_shape(x) -> bool:
+    """A leaf of ``param_shapes``: a tuple of ints (for ``tree_map``'s ``is_leaf``)."""
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)

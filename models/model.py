@@ -3,6 +3,9 @@
 The module only owns state; the math lives in ``models.layers`` as pure
 functions over a plain params dict so that the layers run under
 ``jax.lax.scan`` and generation is one ``jax.jit`` over (params, cache).
+Decoding runs on ``decode_params``: the same weights with the layers unstacked
+(a tuple of per-layer dicts, one copy, cached), which the decode step reads in
+place instead of slicing (copying) each layer out of the stacked arrays per step.
 
 Value-rotation folding: for a KV config with ``rotate_values`` the cache would
 rotate each value ``v -> R v`` and un-rotate the attention output. Instead the
@@ -101,6 +104,35 @@ class CausalLM(nnx.Module):
             self._folded[key] = msh.shard_params(self.config, self.folded_params(kv), mesh, ax)
         return self._folded[key]
 
+    def decode_params(self, kv: oj.KVQuantConfig | None, mesh=None, ax=None) -> dict:
+        """What decoding runs on: ``folded_params(kv)`` (on ``mesh`` in ``models.sharding``'s
+        layout when given) with the layers unstacked (``layers.unstack_layers``' form: each
+        layer's weights their own buffers, which the decode step reads where they lie).
+
+        Cached per (rotation, mesh). Built a layer at a time (each sliced, then placed); a
+        stacked folded copy is made on the way only if none is cached, and dropped: the
+        steady state is the model's own stacked params plus this one copy.
+        """
+        from models import sharding as msh
+
+        rot = (kv.rotation, kv.rotation_seed) if kv is not None and kv.rotate_values else None
+        ax = (ax or msh.AXES) if mesh is not None else None
+        key = ("layers", rot, mesh, ax)
+        if key not in self._folded:
+            src = self._folded.get(rot) if rot else self.params()
+            if src is None:  # folded here, not kept
+                r = oj.rotation_matrix(kv, self.config.head_dim)
+                src = fold_value_rotation(self.config, self.params(), r)
+            sh = None if mesh is None else msh.param_shardings(self.config, mesh, ax, True)
+            place = lambda t, s: t if s is None else jax.device_put(t, s)  # noqa: E731
+            out = {k: place(v, sh and sh[k]) for k, v in src.items() if k != "layers"}
+            out["layers"] = tuple(
+                place(_take_layer(src["layers"], jnp.int32(i)), sh and sh["layers"][i])
+                for i in range(self.config.num_layers)
+            )
+            self._folded[key] = out
+        return self._folded[key]
+
     # -- inference -------------------------------------------------------------------
     def check_ids(self, input_ids) -> np.ndarray:
         ids = np.asarray(input_ids)
@@ -126,6 +158,12 @@ class CausalLM(nnx.Module):
 @functools.partial(jax.jit, static_argnums=0)
 def _logits_jit(cfg, params, ids):
     return layers.logits_fn(cfg, params, ids)
+
+
+@jax.jit
+def _take_layer(lay: dict, i):
+    """Layer i of stacked layer params (a copy; ``i`` traced: one compile for all layers)."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), lay)
 
 
 def fold_value_rotation(cfg: ModelConfig, params: dict, r: np.ndarray) -> dict:

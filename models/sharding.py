@@ -37,9 +37,9 @@ from oscar_jax import sharding as osh
 from oscar_jax.cache import KVCache
 from oscar_jax.sharding import AXES, MeshAxes
 
-_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [L, in, out]: out split
-_ROW = ("wo", "w_down")  # [L, in, out]: in split
-_BIAS = ("bq", "bk", "bv")  # [L, out]: out split
+_COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [(L,) in, out]: out split
+_ROW = ("wo", "w_down")  # [(L,) in, out]: in split
+_BIAS = ("bq", "bk", "bv")  # [(L,) out]: out split
 
 
 def check_model_mesh(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES, batch=None) -> None:
@@ -59,35 +59,46 @@ def check_model_mesh(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES, batch=No
         raise ValueError(f"batch={batch} must be divisible by the {ax.data} axis ({nd})")
 
 
-def param_specs(cfg: ModelConfig, ax: MeshAxes = AXES) -> dict:
-    """PartitionSpecs with the tree of ``CausalLM.params()`` (the default layout above)."""
+def param_specs(cfg: ModelConfig, ax: MeshAxes = AXES, per_layer: bool = False) -> dict:
+    """PartitionSpecs with the tree of ``CausalLM.params()`` (the default layout above).
+
+    ``per_layer``: the tree of ``layers.unstack_layers`` (a tuple of L per-layer dicts),
+    each layer split the same way, without the leading layer axis.
+    """
     shapes = layers.param_shapes(cfg)
     m = ax.model
 
     def lay(name):
         if name in _COLUMN:
-            return P(None, None, m)
-        if name in _ROW:
-            return P(None, m, None)
-        if name in _BIAS:
             return P(None, m)
+        if name in _ROW:
+            return P(m, None)
+        if name in _BIAS:
+            return P(m)
         return P()
 
+    one = {k: lay(k) for k in shapes["layers"]}  # one layer's [in, out] / [out]
     out = {k: P() for k in shapes if k != "layers"}
-    out["layers"] = {k: lay(k) for k in shapes["layers"]}
+    if per_layer:
+        out["layers"] = tuple(dict(one) for _ in range(cfg.num_layers))
+    else:
+        out["layers"] = {k: P(None, *s) if s else P() for k, s in one.items()}  # [L, ...]
     return out
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES) -> dict:
+def param_shardings(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES,
+                    per_layer: bool = False) -> dict:  # fmt: skip
+    """NamedShardings of ``param_specs`` on ``mesh`` (ValueError unless the model divides)."""
     check_model_mesh(cfg, mesh, ax)
     return jax.tree_util.tree_map(
-        lambda s: NamedSharding(mesh, s), param_specs(cfg, ax), is_leaf=lambda x: isinstance(x, P)
-    )
+        lambda s: NamedSharding(mesh, s), param_specs(cfg, ax, per_layer),
+        is_leaf=lambda x: isinstance(x, P),
+    )  # fmt: skip
 
 
 def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh, ax: MeshAxes = AXES) -> dict:
-    """Place a params tree on the mesh in the default layout."""
-    return jax.device_put(params, param_shardings(cfg, mesh, ax))
+    """Place a params tree (stacked or per-layer) on the mesh in the default layout."""
+    return jax.device_put(params, param_shardings(cfg, mesh, ax, layers.is_per_layer(params)))
 
 
 def rows(mesh: Mesh, ax: MeshAxes = AXES, ndim: int = 1) -> NamedSharding:
@@ -138,7 +149,8 @@ def decode_step_hlo(
     """Compiled HLO text of one sharded decode step (all layers) of model ``cfg`` on ``mesh``.
 
     Lowered from shapes only (``ShapeDtypeStruct``s carrying the default shardings), so
-    it works for full-size configs without allocating params or caches.
+    it works for full-size configs without allocating params or caches. The params are
+    in the per-layer form (``CausalLM.decode_params``), as decoding runs them.
     """
     import sys
 
@@ -156,10 +168,10 @@ def decode_step_hlo(
     )  # fmt: skip
     put = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
     shapes = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)), layers.param_shapes(cfg),
-        is_leaf=lambda x: isinstance(x, tuple),
+        lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)),
+        layers.param_shapes(cfg, per_layer=True), is_leaf=layers.is_shape,
     )  # fmt: skip
-    params = jax.tree_util.tree_map(put, shapes, param_shardings(cfg, mesh, ax))
+    params = jax.tree_util.tree_map(put, shapes, param_shardings(cfg, mesh, ax, per_layer=True))
     one = memory.abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
     one = jax.tree_util.tree_map(put, one, osh.cache_shardings(one, mesh, ax))
     caches = (one,) * cfg.num_layers

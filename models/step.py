@@ -10,6 +10,10 @@ finds such copies in compiled HLO.) The flushes due in a step are encoded first,
 all layers in one batch (``oscar_jax.flush``: one encoder and one ``lax.cond`` in the
 program, not L), and stored by each layer. With ``Static.mesh`` the same code runs
 sharded (``models.sharding``'s layout, ``oscar_jax.sharding``'s append / attention).
+The weights likewise: with per-layer params (``layers.unstack_layers``, a tuple of L
+dicts) each layer's GEMMs read its weights where they lie; stacked [L, ...] params
+still work, but a slice of a layer feeding a GEMM is a copy at larger batch (and on
+the CPU), so every step would copy every layer's weights.
 """
 
 from __future__ import annotations
@@ -51,13 +55,18 @@ class Static(NamedTuple):
 
 # -- building blocks (pure, traced) -------------------------------------------------
 def layer_params(params, i: int, after=None) -> dict:
-    """Layer i's params: slices of the stacked [L, ...] arrays.
+    """Layer i's params: ``params["layers"][i]`` of the per-layer form (read where it lies),
+    or slices of the stacked [L, ...] arrays.
 
-    ``after``: an array the slices wait for (the layer's input): the index is i plus a
-    zero computed from it at run time, so XLA slices each layer when it runs. Static
-    slices would all be hoisted to the start, and where a slice is a copy (a GEMM
-    operand at larger batch, the CPU) every layer's weights would be held at once.
+    Slices are copies wherever they feed a GEMM at larger batch (and on the CPU): every
+    step copies every layer's weights; decode from ``layers.unstack_layers``' form
+    (``CausalLM.decode_params``). ``after`` (stacked form only): an array the slices
+    wait for (the layer's input): the index is i plus a zero computed from it at run
+    time, so XLA slices each layer when it runs. Static slices would all be hoisted to
+    the start, and every layer's weights would be held at once.
     """
+    if layers.is_per_layer(params):
+        return params["layers"][i]
     if after is None:
         return jax.tree_util.tree_map(lambda a: a[i], params["layers"])
     j = i + (jnp.max(jnp.abs(after)) < 0).astype(jnp.int32)  # 0 (NaN < 0 is False too)
@@ -83,9 +92,13 @@ def _prefill(st: Static, params, ids, lengths):
     b, t = ids.shape
     ax = st.axes
     valid = jnp.arange(t)[None, :] < lengths[:, None]
-    x, (k, v) = layers.forward(mc, params, ids, valid=valid, keep_kv=True)
-    kv_spec = P(None, ax.data, None, ax.model, None)  # [L, B, T, Hkv, D]
-    k, v = msh.constrain(k, st.mesh, kv_spec), msh.constrain(v, st.mesh, kv_spec)
+    x, (k, v) = layers.forward(mc, params, ids, valid=valid, keep_kv=True, stack_kv=False)
+    if isinstance(k, tuple):  # per-layer params: L arrays [B, T, Hkv, D] each
+        spec = P(ax.data, None, ax.model, None)
+        k, v = (tuple(msh.constrain(a, st.mesh, spec) for a in kv) for kv in (k, v))
+    else:
+        kv_spec = P(None, ax.data, None, ax.model, None)  # [L, B, T, Hkv, D]
+        k, v = msh.constrain(k, st.mesh, kv_spec), msh.constrain(v, st.mesh, kv_spec)
     last = x[jnp.arange(b), lengths - 1]
     logits = layers.lm_head(mc, params, last)
 

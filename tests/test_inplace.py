@@ -1,10 +1,15 @@
-"""Decoding updates the caches in place: no compiled instruction writes a whole cache array.
+"""Decoding updates the caches in place and reads the weights in place: no compiled
+instruction writes a whole cache array, nor a whole weight matrix.
 
 ``benchmarks/hlo_copies.py`` scans the optimized HLO of the decode step (and of the
-generate loop) for copies / slices / rewrites of a whole cache. The CPU programs use
-float32 caches and params (the CPU compiler computes bfloat16 in float32, converting
-whole arrays: a CPU-only artifact) and batch 2 (at batch 1 the CPU fusion duplicates a
-cache update into a bitcast consumer: CPU-only too; the H200 run is clean at batch 1).
+generate loop) for copies / slices / rewrites of a whole cache or weight. The params
+are in the per-layer form decoding runs on (``layers.unstack_layers``); slicing a layer
+out of stacked [L, ...] params copies every weight matrix, every step, on the CPU at
+any batch (on the H200 at larger batch, e.g. 48): checked too, so the check can fail.
+The CPU programs use float32 caches and params (the CPU compiler computes bfloat16 in
+float32, converting whole arrays: a CPU-only artifact) and batch 2 (at batch 1 the CPU
+fusion duplicates a cache update into a bitcast consumer: CPU-only too; the H200 run is
+clean at batch 1).
 The early, batched flush (``oscar_jax.flush``) gives ``append``'s caches bit for bit.
 """
 
@@ -50,10 +55,10 @@ def _static(kv):
     )  # fmt: skip
 
 
-def _abstract(kv, cfg=CFG):
+def _abstract(kv, cfg=CFG, per_layer=True):
     params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-                                    layers.param_shapes(cfg),
-                                    is_leaf=lambda x: isinstance(x, tuple))  # fmt: skip
+                                    layers.param_shapes(cfg, per_layer=per_layer),
+                                    is_leaf=layers.is_shape)  # fmt: skip
     one = memory.abstract_cache(cfg, kv, batch=B, max_len=MAX_LEN, dtype=jnp.float32)
     return params, (one,) * cfg.num_layers
 
@@ -74,14 +79,32 @@ def test_decode_step_writes_no_whole_cache(method):
 
 
 @pytest.mark.parametrize("method", ["bf16", "oscar"])
-def test_decode_step_temp_does_not_grow_with_layers(method):
-    """Each layer's weight slices and attention inputs are made when the layer runs: XLA
-    cannot hoist them all to the start of the step (and hold L layers' worth at once)."""
+def test_decode_step_reads_weights_in_place(method):
+    """Per-layer params: no instruction writes a whole weight matrix; stacked params (a
+    layer sliced out per step) copy every layer's matrices."""
+    tok = jax.ShapeDtypeStruct((B,), jnp.int32)
+    found = {}
+    for per_layer in (False, True):
+        params, caches = _abstract(KV[method], per_layer=per_layer)
+        step = GEN._step_jit_donated.lower(_static(KV[method]), params, caches, tok, tok)
+        found[per_layer] = hc.whole_cache_copies(step.compile().as_text(),
+                                                 hc.weight_shapes(params))  # fmt: skip
+    lay = layers.param_shapes(CFG, per_layer=True)["layers"][0]
+    matrices = sum(4 * int(np.prod(s)) for s in lay.values() if len(s) == 2)  # float32
+    assert sum(i.nbytes for i in found[False]) >= CFG.num_layers * matrices  # the old layout
+    assert not found[True], hc.format_copies(found[True])
+
+
+@pytest.mark.parametrize("per_layer", [False, True], ids=["stacked", "layers"])
+@pytest.mark.parametrize("method", ["bf16", "oscar"])
+def test_decode_step_temp_does_not_grow_with_layers(method, per_layer):
+    """Each layer's attention inputs (and, stacked, weight slices) are made when the layer
+    runs: XLA cannot hoist them all to the start of the step (and hold L layers' worth)."""
     temps = []
     for n in (2, 6):
         cfg = CFG.replace(num_layers=n)
         st = _static(KV[method])._replace(model=cfg)
-        params, caches = _abstract(KV[method], cfg)
+        params, caches = _abstract(KV[method], cfg, per_layer)
         tok = jax.ShapeDtypeStruct((B,), jnp.int32)
         step = GEN._step_jit_donated.lower(st, params, caches, tok, tok).compile()
         temps.append(step.memory_analysis().temp_size_in_bytes)
@@ -98,8 +121,9 @@ def test_generate_loop_writes_no_whole_cache(method):
     text = GEN._generate_jit.lower(_static(KV[method]), 8, *args).compile().as_text()
     loops = hc.loop_computations(text)
     assert loops  # the lax.scan over new tokens
+    shapes = hc.cache_shapes(caches) | hc.weight_shapes(params)
     found = [
-        i for i in hc.whole_cache_copies(text, hc.cache_shapes(caches)) if i.computation in loops
+        i for i in hc.whole_cache_copies(text, shapes) if i.computation in loops
     ]  # prefill writes each cache once, outside the loop
     assert not found, hc.format_copies(found)
 
