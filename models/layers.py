@@ -149,9 +149,14 @@ def unstack_layers(params: dict) -> dict:
     """
     if is_per_layer(params):
         return params
-    n = num_layers(params)
-    lay = tuple({k: a[i] for k, a in params["layers"].items()} for i in range(n))
+    lay = tuple(take_layer(params["layers"], i) for i in range(num_layers(params)))
     return {**params, "layers": lay}
+
+
+@jax.jit
+def take_layer(lay: dict, i):
+    """Layer i of stacked layer params [L, ...] (a copy; ``i`` traced: one compile for all L)."""
+    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), lay)
 
 
 def stack_layers(params: dict) -> dict:

@@ -127,7 +127,7 @@ class CausalLM(nnx.Module):
             place = lambda t, s: t if s is None else jax.device_put(t, s)  # noqa: E731
             out = {k: place(v, sh and sh[k]) for k, v in src.items() if k != "layers"}
             out["layers"] = tuple(
-                place(_take_layer(src["layers"], jnp.int32(i)), sh and sh["layers"][i])
+                place(layers.take_layer(src["layers"], i), sh and sh["layers"][i])
                 for i in range(self.config.num_layers)
             )
             self._folded[key] = out
@@ -158,12 +158,6 @@ class CausalLM(nnx.Module):
 @functools.partial(jax.jit, static_argnums=0)
 def _logits_jit(cfg, params, ids):
     return layers.logits_fn(cfg, params, ids)
-
-
-@jax.jit
-def _take_layer(lay: dict, i):
-    """Layer i of stacked layer params (a copy; ``i`` traced: one compile for all layers)."""
-    return jax.tree_util.tree_map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), lay)
 
 
 def fold_value_rotation(cfg: ModelConfig, params: dict, r: np.ndarray) -> dict:

@@ -70,8 +70,7 @@ def layer_params(params, i: int, after=None) -> dict:
     if after is None:
         return jax.tree_util.tree_map(lambda a: a[i], params["layers"])
     j = i + (jnp.max(jnp.abs(after)) < 0).astype(jnp.int32)  # 0 (NaN < 0 is False too)
-    take = lambda a: jax.lax.dynamic_index_in_dim(a, j, keepdims=False)  # noqa: E731
-    return jax.tree_util.tree_map(take, params["layers"])
+    return layers.take_layer(params["layers"], j)
 
 
 def stack_caches(caches) -> oj.KVCache:
