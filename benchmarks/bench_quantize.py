@@ -163,19 +163,14 @@ def chain_time(enc, args, n1=2, n2=12, calls=5):
 VARIANTS = {  # name -> encode options (None: the XLA path; "dense": XLA, matmul rotation)
     "xla": None,
     "xla dense": "dense",
-    "pallas gpb2 w4": dict(groups_per_block=2, num_warps=4),
-    "pallas gpb1 w4": dict(groups_per_block=1, num_warps=4),
-    "pallas gpb4 w4": dict(groups_per_block=4, num_warps=4),
-    "pallas gpb8 w4": dict(groups_per_block=8, num_warps=4),
-    "pallas gpb2 w2": dict(groups_per_block=2, num_warps=2),
-    "pallas gpb2 w8": dict(groups_per_block=2, num_warps=8),
-    "pallas gpb2 w4 fastdiv": dict(groups_per_block=2, num_warps=4, exact_division=False),
     "pallas gpb1 w2": dict(groups_per_block=1, num_warps=2),
-    "pallas gpb1 w1": dict(groups_per_block=1, num_warps=1),
     "pallas gpb1 w2 fastdiv": dict(groups_per_block=1, num_warps=2, exact_division=False),
+    "pallas gpb1 w4": dict(groups_per_block=1, num_warps=4),
+    "pallas gpb1 w1": dict(groups_per_block=1, num_warps=1),
+    "pallas gpb2 w2": dict(groups_per_block=2, num_warps=2),
+    "pallas gpb2 w4": dict(groups_per_block=2, num_warps=4),
+    "pallas gpb4 w4": dict(groups_per_block=4, num_warps=4),
     "pallas gpb4 w8": dict(groups_per_block=4, num_warps=8),
-    "pallas gpb8 w8": dict(groups_per_block=8, num_warps=8),
-    "pallas gpb2 w4 s2": dict(groups_per_block=2, num_warps=4, num_stages=2),
 }
 
 

@@ -5,17 +5,21 @@ layout (see ``oscar_jax.codec``): every program reads ``groups_per_block`` group
 G tokens of one KV head (all KV heads for ``per_token`` norms) once from HBM and
 writes codes, scales/zeros and norms; nothing intermediate goes back to HBM.
 
-Per group of G tokens, the rotation is done on the tensor cores as dots of the
-[G, D] tile with column chunks of the rotation matrix, one chunk of W = min(P, Gv)
-channels at a time (P = D*bits/8 channels per packed plane, Gv the value group).
-Chunks line up with the planar packing (byte j holds channels j + i*P), so packing
-is shifts and ors of whole chunks: Pallas-Triton lowers no slicing of loaded values,
-and butterflies (the fast Walsh-Hadamard transform) need exactly that slicing or
-permutes, so they are not offered. The Hadamard matrices are sent as exact +-1
-entries in the input's dtype (bf16/f16 dot, f32 accumulation: products are exact),
-then scaled by 1/sqrt(b) in f32 as ``hadamard.fwht`` does; f32 inputs are split
-into three bf16 parts, so the rotation keeps f32 accuracy. ``random_orthogonal``
-uses a dense f32 matrix and an IEEE f32 dot.
+Per group of G tokens, the rotation runs as H_D = H_(D/W) (x) H_W: one tensor-core dot
+of each [G, W] chunk with its [W, W] factor (the chunk's random signs folded in), then
+butterflies (the fast Walsh-Hadamard transform) across the D/W chunks. W = min(P, Gv) (P
+= D*bits/8 channels per packed plane, Gv the value group), so chunks line up with the
+planar packing (byte j holds channels j + i*P): packing is shifts and ors of whole
+chunks, and nothing slices a loaded value (Pallas-Triton lowers no such slicing). Dots
+with [D, W] column blocks of the dense matrix held the whole matrix in registers (242
+per thread on the H200, 4 programs per SM; this form: 167-168, 6), and took 0.332 ms at
+32K tokens against 0.249 ms (H200, 2026-11-30). The factors are exact +-1
+entries in the input's dtype (bf16/f16 dot, f32 accumulation: products are exact), then
+scaled by 1/sqrt(b) in f32 as ``hadamard.fwht`` does; f32 inputs are split into three
+bf16 parts, so the rotation keeps f32 accuracy. ``random_orthogonal`` uses a dense f32
+matrix and IEEE f32 dots. One program encodes a group's keys and values: separate key
+and value programs were measured slower (0.331 vs 0.249 ms at 32K tokens) at the same
+register count.
 
 Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm,
 division by the *stored* norm as a multiply by its ``quant.prescaled_reciprocal``
@@ -132,13 +136,37 @@ class _Spec:
 
 
 def _rotation_operand(spec: _Spec) -> np.ndarray:
-    """The matrix M with rotate(x) = (x @ M) * rot_scale: exact +-1 or dense f32."""
+    """What ``_chunks`` multiplies by: dense f32 M (rotate(x) = x @ M) for
+    ``random_orthogonal``; else the exact +-1 first column block of the (signed)
+    Hadamard matrix, [D, W]: rows a*W..(a+1)*W are chunk a's [W, W] factor."""
     rt = hadamard.rotation_matrix(spec.cfg, spec.d).T
     if spec.rot_scale is None:
         return rt.astype(np.float32)
     pm = np.round(rt * np.sqrt(hadamard.hadamard_block_size(spec.d)))
+    w, n = spec.w, spec.d // spec.w
+    block = pm[:, :w]
+    if not np.array_equal(pm, np.kron(_sylvester(n), np.ones((w, w))) * np.tile(block, (1, n))):
+        raise NotImplementedError("rotation is not a Kronecker product H_(D/W) x [W, W]")
     dt = jnp.float16 if spec.in_dtype == "float16" else jnp.bfloat16
-    return pm.astype(dt)
+    return block.astype(dt)
+
+
+def _sylvester(n: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def _butterflies(zs: list) -> list:
+    """Unnormalised Sylvester H_n across a list of n equal-shaped chunks (fast WHT)."""
+    zs, n, step = list(zs), len(zs), 1
+    while step < n:
+        for i in range(0, n, 2 * step):
+            for j in range(i, i + step):
+                zs[j], zs[j + step] = zs[j] + zs[j + step], zs[j] - zs[j + step]
+        step *= 2
+    return zs
 
 
 def _div(a, b, spec: _Spec):
@@ -171,31 +199,40 @@ def _round_half_even(v, spec: _Spec):
 
 
 def _chunks(ref, mat_ref, b, h, t0, rotate: bool, spec: _Spec):
-    """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each."""
+    """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each.
+
+    Hadamard rotations use H_D = H_(D/W) (x) H_W: one [G, W] x [W, W] tensor-core dot
+    per chunk (with the chunk's signs folded into its factor), then butterflies across
+    the chunks. Only [W, W] factors are live, not the [D, D] matrix.
+    """
     g, w, d = spec.cfg.group_size, spec.w, spec.d
     rows = pl.ds(t0, g)
     if not rotate:
         return [ref[b, h, rows, pl.ds(k * w, w)].astype(jnp.float32) for k in range(d // w)]
-    x = ref[b, h, rows, :]
-    if spec.rot_scale is None:
-        parts, prec = [x.astype(jnp.float32)], jax.lax.Precision.HIGHEST
-    elif spec.in_dtype in ("bfloat16", "float16"):
-        parts, prec = [x], None
-    else:  # f32 = hi + mid + lo, each bf16: exact products with the +-1 matrix
-        x = x.astype(jnp.float32)
-        hi = x.astype(jnp.bfloat16)
-        r = x - hi.astype(jnp.float32)
-        mid = r.astype(jnp.bfloat16)
-        lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-        parts, prec = [hi, mid, lo], None
-    out = []
+    if spec.rot_scale is None:  # random_orthogonal: dense f32 matrix, IEEE f32 dots
+        x = ref[b, h, rows, :].astype(jnp.float32)
+        prec = jax.lax.Precision.HIGHEST
+        return [plgpu.dot(x, mat_ref[:, pl.ds(k * w, w)], precision=prec) for k in range(d // w)]
+    signed = spec.cfg.rotation != "hadamard"  # plain Hadamard: every chunk's factor is H_W
+    zs, m = [], None
     for k in range(d // w):
-        m = mat_ref[:, pl.ds(k * w, w)]
-        acc = plgpu.dot(parts[0], m, precision=prec)
+        x = ref[b, h, rows, pl.ds(k * w, w)]
+        if spec.in_dtype in ("bfloat16", "float16"):
+            parts = [x]
+        else:  # f32 = hi + mid + lo, each bf16: exact products with the +-1 factor
+            x = x.astype(jnp.float32)
+            hi = x.astype(jnp.bfloat16)
+            r = x - hi.astype(jnp.float32)
+            mid = r.astype(jnp.bfloat16)
+            lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+            parts = [hi, mid, lo]
+        if m is None or signed:
+            m = mat_ref[pl.ds(k * w, w), :]
+        acc = plgpu.dot(parts[0], m)
         for part in parts[1:]:
-            acc = acc + plgpu.dot(part, m, precision=prec)
-        out.append(acc if spec.rot_scale is None else acc * spec.rot_scale)
-    return out
+            acc = acc + plgpu.dot(part, m)
+        zs.append(acc)
+    return [z * spec.rot_scale for z in _butterflies(zs)]
 
 
 def _quantize(y, mn, mx, spec: _Spec):
@@ -291,52 +328,63 @@ def _kernel(*refs, spec: _Spec):
     kn_ref = rest.pop(0) if cfg.token_scaling else None
     vouts = tuple(rest)
     b, hb, blk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    g, gpb, per_token = cfg.group_size, spec.tuning.groups_per_block, cfg.norm_granularity
-    per_token = cfg.token_scaling and per_token == "per_token"
+    g, gpb = cfg.group_size, spec.tuning.groups_per_block
+    per_token = cfg.token_scaling and cfg.norm_granularity == "per_token"
     norm_dt = cfg.norm_jnp_dtype
 
     def stored_den(m, s):
         n = jnp.where(m > 0, jnp.where(m > 0, m, 1.0) * jnp.sqrt(s), 0.0).astype(norm_dt)
         return n, _recip(n.astype(jnp.float32), spec)
 
+    def keys_one_head(t0):
+        den = None
+        ys = _chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec)
+        if cfg.token_scaling:
+            m = _row_max_abs(ys)
+            n, den = stored_den(m, _row_sumsq(ys, jnp.where(m > 0, m, 1.0), spec))
+            kn_ref[b, hb, pl.ds(t0, g)] = n
+        _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, hb, t0, den, spec, ys)
+
+    def keys_per_token(t0):  # one norm over all KV heads: three passes over the heads
+        def head_max(h, m):
+            ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+            return jnp.maximum(m, _row_max_abs(ys))
+
+        m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
+        m_safe = jnp.where(m > 0, m, 1.0)
+
+        def head_sumsq(h, s):
+            ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+            return s + _row_sumsq(ys, m_safe, spec)
+
+        s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
+        n, den = stored_den(m, s)
+        kn_ref[b, 0, pl.ds(t0, g)] = n
+
+        def head_encode(h, carry):
+            _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, h, t0, den, spec)
+            return carry
+
+        jax.lax.fori_loop(0, spec.h, head_encode, 0)
+
+    def values(t0):
+        if not per_token:
+            _encode_value_head(v_ref, mat_ref, vouts, b, hb, t0, spec)
+            return
+
+        def head(h, carry):
+            _encode_value_head(v_ref, mat_ref, vouts, b, h, t0, spec)
+            return carry
+
+        jax.lax.fori_loop(0, spec.h, head, 0)
+
     def one_group(i):
         t0 = (blk * gpb + i) * g
 
         @pl.when(t0 < spec.t)
         def _():
-            if not per_token:
-                h = hb
-                den = None
-                ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
-                if cfg.token_scaling:
-                    m = _row_max_abs(ys)
-                    n, den = stored_den(m, _row_sumsq(ys, jnp.where(m > 0, m, 1.0), spec))
-                    kn_ref[b, h, pl.ds(t0, g)] = n
-                _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, h, t0, den, spec, ys)
-                _encode_value_head(v_ref, mat_ref, vouts, b, h, t0, spec)
-                return
-
-            def head_max(h, m):
-                ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
-                return jnp.maximum(m, _row_max_abs(ys))
-
-            m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
-            m_safe = jnp.where(m > 0, m, 1.0)
-
-            def head_sumsq(h, s):
-                ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
-                return s + _row_sumsq(ys, m_safe, spec)
-
-            s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
-            n, den = stored_den(m, s)
-            kn_ref[b, 0, pl.ds(t0, g)] = n
-
-            def head_encode(h, carry):
-                _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, h, t0, den, spec)
-                _encode_value_head(v_ref, mat_ref, vouts, b, h, t0, spec)
-                return carry
-
-            jax.lax.fori_loop(0, spec.h, head_encode, 0)
+            (keys_per_token if per_token else keys_one_head)(t0)
+            values(t0)
 
     for i in range(gpb):
         one_group(i)
@@ -375,6 +423,7 @@ def _encode_pallas(k, v, spec: _Spec):
         out_shape=out_shape,
         grid=(bsz, 1 if per_token else h, nblk),
         interpret=spec.interpret,
+        name=f"oscar_quantize_int{cfg.bits}",
         **kwargs,
     )(*args)
     kc, ks, kz, *rest = outs

@@ -76,6 +76,14 @@ CASES = {
         "bfloat16",
         {},
     ),
+    "randomized_hadamard_int4_d256_f32": (
+        "oscar",
+        dict(bits=4, rotation="randomized_hadamard"),
+        256,
+        64,
+        "float32",
+        {},
+    ),
     "random_orthogonal_int4_d64": (
         "oscar",
         dict(bits=4, rotation="random_orthogonal"),
@@ -227,3 +235,18 @@ class TestQuantizeKernelAPI:
         from oscar_jax import codec
 
         assert codec.lookup(codec._ENCODERS, "pallas", "encoding") is pq.encode
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "randomized_hadamard"])
+@pytest.mark.parametrize("d,bits,g", [(64, 2, 32), (128, 2, 128), (256, 4, 32), (512, 2, 64)])
+def test_kronecker_factors_equal_the_dense_rotation(rotation, d, bits, g):
+    """The [W, W] factors and butterflies the kernel uses give exactly x @ R^T."""
+    cfg = oj.preset("oscar", bits=bits, group_size=g, rotation=rotation)
+    spec = pq._Spec(cfg, g, 1, d, "bfloat16", pq.QuantizeTuning(), True)
+    w = spec.w
+    block = np.asarray(pq._rotation_operand(spec), np.float64)  # [D, W]
+    x = np.random.default_rng(d + g).integers(-8, 9, size=(g, d)).astype(np.float64)
+    zs = [x[:, a * w : (a + 1) * w] @ block[a * w : (a + 1) * w] for a in range(d // w)]
+    got = np.concatenate(pq._butterflies(zs), axis=1)  # integers: exact in float64
+    want = np.round(x @ oj.rotation_matrix(cfg, d).T * np.sqrt(d))
+    np.testing.assert_array_equal(got, want)

@@ -1,0 +1,60 @@
+"""Run one Pallas kernel of ours a few times, for Nsight Compute to profile.
+
+Hardware counters (stall reasons, occupancy, achieved bandwidth) say where a kernel's
+time goes, which chained timing cannot. On the H200 (Firecracker runtime, ncu works):
+
+    ncu --clock-control none -k regex:oscar_quantize --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats --section SourceCounters \
+        python3 benchmarks/ncu_kernels.py quantize --tokens 32768
+
+``decode`` runs INT2 decode attention (Qwen3-8B layer shape) on a prefilled cache;
+``--options`` is a JSON dict of decode or quantize tuning knobs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import oscar_jax as oj  # noqa: E402
+import pallas_kernels  # noqa: E402, F401  (registers implementation="pallas")
+from benchmarks.bench_decode import HKV, D, make_inputs  # noqa: E402
+from benchmarks.bench_quantize import make_kv  # noqa: E402
+from pallas_kernels import quantize as qk  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kernel", choices=("quantize", "decode"))
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--options", default="{}", help="JSON dict of tuning knobs")
+    ap.add_argument("--calls", type=int, default=2)
+    a = ap.parse_args()
+    opts = json.loads(a.options)
+    cfg = oj.preset("oscar", bits=2)
+    if a.kernel == "quantize":
+        k, v = make_kv(jax.random.PRNGKey(0), (a.batch, HKV, a.tokens, D), jnp.bfloat16)
+        fn = jax.jit(lambda k, v: qk.encode(k, v, cfg, **opts))
+        args = (k, v)
+    else:
+        q, k, v = make_inputs(a.batch, a.tokens)
+        c = oj.init_cache(cfg, batch=a.batch, max_len=a.tokens, num_kv_heads=HKV, head_dim=D)
+        c = jax.jit(oj.prefill)(c, k, v)
+        fn = jax.jit(lambda q, c: oj.decode_attention(q, c, implementation="pallas", **opts))
+        args = (q, c)
+    for i in range(a.calls):
+        jax.block_until_ready(fn(*args))
+        print(f"{a.kernel} call {i} done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
