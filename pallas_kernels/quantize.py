@@ -5,20 +5,13 @@ layout (see ``oscar_jax.codec``): every program reads ``groups_per_block`` group
 G tokens of one KV head (all KV heads for ``per_token`` norms) once from HBM and
 writes codes, scales/zeros and norms; nothing intermediate goes back to HBM.
 
-Per group of G tokens, the rotation runs as H_D = H_(D/W) (x) H_W: one tensor-core dot
-of each [G, W] chunk with its [W, W] factor (the chunk's random signs folded in), then
-butterflies (the fast Walsh-Hadamard transform) across the D/W chunks. W = min(P, Gv) (P
-= D*bits/8 channels per packed plane, Gv the value group), so chunks line up with the
-planar packing (byte j holds channels j + i*P): packing is shifts and ors of whole
-chunks, and nothing slices a loaded value (Pallas-Triton lowers no such slicing). Dots
-with [D, W] column blocks of the dense matrix held the whole matrix in registers (242
-per thread on the H200, 4 programs per SM; this form: 167-168, 6), and took 0.332 ms at
-32K tokens against 0.249 ms (H200, 2026-11-30). The factors are exact +-1
-entries in the input's dtype (bf16/f16 dot, f32 accumulation: products are exact), then
-scaled by 1/sqrt(b) in f32 as ``hadamard.fwht`` does; f32 inputs are split into three
-bf16 parts, so the rotation keeps f32 accuracy. ``random_orthogonal`` uses a dense f32
-matrix and IEEE f32 dots. One program encodes a group's keys and values: separate key
-and value programs were measured slower (0.331 vs 0.249 ms at 32K tokens) at the same
+Per group of G tokens, the tile is read as D/W chunks of W = min(P, Gv) channels (P =
+D*bits/8 channels per packed plane, Gv the value group), rotated by
+``quantize_rotation.rotated_chunks`` (Kronecker-factored Hadamard on the tensor cores).
+Chunks line up with the planar packing (byte j holds channels j + i*P), so packing is
+shifts and ors of whole chunks and nothing slices a loaded value (Pallas-Triton lowers
+no such slicing). One program encodes a group's keys and values: separate key and value
+programs were measured slower (0.331 vs 0.249 ms at 32K tokens, H200) at the same
 register count.
 
 Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm,
@@ -52,6 +45,7 @@ from jax.experimental.pallas import triton as plgpu
 import oscar_jax
 from oscar_jax import codec, hadamard, quant
 from oscar_jax.config import KVQuantConfig
+from pallas_kernels.quantize_rotation import rotated_chunks, rotation_operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,40 +129,6 @@ class _Spec:
         return np.float32(1.0 / np.sqrt(hadamard.hadamard_block_size(self.d)))
 
 
-def _rotation_operand(spec: _Spec) -> np.ndarray:
-    """What ``_chunks`` multiplies by: dense f32 M (rotate(x) = x @ M) for
-    ``random_orthogonal``; else the exact +-1 first column block of the (signed)
-    Hadamard matrix, [D, W]: rows a*W..(a+1)*W are chunk a's [W, W] factor."""
-    rt = hadamard.rotation_matrix(spec.cfg, spec.d).T
-    if spec.rot_scale is None:
-        return rt.astype(np.float32)
-    pm = np.round(rt * np.sqrt(hadamard.hadamard_block_size(spec.d)))
-    w, n = spec.w, spec.d // spec.w
-    block = pm[:, :w]
-    if not np.array_equal(pm, np.kron(_sylvester(n), np.ones((w, w))) * np.tile(block, (1, n))):
-        raise NotImplementedError("rotation is not a Kronecker product H_(D/W) x [W, W]")
-    dt = jnp.float16 if spec.in_dtype == "float16" else jnp.bfloat16
-    return block.astype(dt)
-
-
-def _sylvester(n: int) -> np.ndarray:
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h
-
-
-def _butterflies(zs: list) -> list:
-    """Unnormalised Sylvester H_n across a list of n equal-shaped chunks (fast WHT)."""
-    zs, n, step = list(zs), len(zs), 1
-    while step < n:
-        for i in range(0, n, 2 * step):
-            for j in range(i, i + step):
-                zs[j], zs[j + step] = zs[j] + zs[j + step], zs[j] - zs[j + step]
-        step *= 2
-    return zs
-
-
 def _div(a, b, spec: _Spec):
     """a / b in f32: IEEE-rounded (div.rn) or via a reciprocal, per the tuning."""
     if not spec.tuning.exact_division:  # one IEEE reciprocal per row/column, then multiply
@@ -196,43 +156,6 @@ def _round_half_even(v, spec: _Spec):
         result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.float32)],
     )  # fmt: skip
     return out
-
-
-def _chunks(ref, mat_ref, b, h, t0, rotate: bool, spec: _Spec):
-    """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each.
-
-    Hadamard rotations use H_D = H_(D/W) (x) H_W: one [G, W] x [W, W] tensor-core dot
-    per chunk (with the chunk's signs folded into its factor), then butterflies across
-    the chunks. Only [W, W] factors are live, not the [D, D] matrix.
-    """
-    g, w, d = spec.cfg.group_size, spec.w, spec.d
-    rows = pl.ds(t0, g)
-    if not rotate:
-        return [ref[b, h, rows, pl.ds(k * w, w)].astype(jnp.float32) for k in range(d // w)]
-    if spec.rot_scale is None:  # random_orthogonal: dense f32 matrix, IEEE f32 dots
-        x = ref[b, h, rows, :].astype(jnp.float32)
-        prec = jax.lax.Precision.HIGHEST
-        return [plgpu.dot(x, mat_ref[:, pl.ds(k * w, w)], precision=prec) for k in range(d // w)]
-    signed = spec.cfg.rotation != "hadamard"  # plain Hadamard: every chunk's factor is H_W
-    zs, m = [], None
-    for k in range(d // w):
-        x = ref[b, h, rows, pl.ds(k * w, w)]
-        if spec.in_dtype in ("bfloat16", "float16"):
-            parts = [x]
-        else:  # f32 = hi + mid + lo, each bf16: exact products with the +-1 factor
-            x = x.astype(jnp.float32)
-            hi = x.astype(jnp.bfloat16)
-            r = x - hi.astype(jnp.float32)
-            mid = r.astype(jnp.bfloat16)
-            lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-            parts = [hi, mid, lo]
-        if m is None or signed:
-            m = mat_ref[pl.ds(k * w, w), :]
-        acc = plgpu.dot(parts[0], m)
-        for part in parts[1:]:
-            acc = acc + plgpu.dot(part, m)
-        zs.append(acc)
-    return [z * spec.rot_scale for z in _butterflies(zs)]
 
 
 def _quantize(y, mn, mx, spec: _Spec):
@@ -283,7 +206,7 @@ def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):
     cfg, w = spec.cfg, spec.w
     kc_ref, ks_ref, kz_ref = outs
     if ys is None:
-        ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+        ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
     npl = spec.p // w  # chunks per plane
     packed = [None] * npl
     grp = t0 // cfg.group_size
@@ -301,7 +224,7 @@ def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):
 def _encode_value_head(v_ref, mat_ref, outs, b, h, t0, spec: _Spec):
     cfg, w, g = spec.cfg, spec.w, spec.cfg.group_size
     vc_ref, vs_ref, vz_ref = outs
-    ys = _chunks(v_ref, mat_ref, b, h, t0, cfg.rotate_values, spec)
+    ys = rotated_chunks(v_ref, mat_ref, b, h, t0, cfg.rotate_values, spec)
     npl, per_group = spec.p // w, cfg.value_group(spec.d) // w
     packed = [None] * npl
     for gi in range(len(ys) // per_group):
@@ -338,7 +261,7 @@ def _kernel(*refs, spec: _Spec):
 
     def keys_one_head(t0):
         den = None
-        ys = _chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec)
+        ys = rotated_chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec)
         if cfg.token_scaling:
             m = _row_max_abs(ys)
             n, den = stored_den(m, _row_sumsq(ys, jnp.where(m > 0, m, 1.0), spec))
@@ -347,14 +270,14 @@ def _kernel(*refs, spec: _Spec):
 
     def keys_per_token(t0):  # one norm over all KV heads: three passes over the heads
         def head_max(h, m):
-            ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+            ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
             return jnp.maximum(m, _row_max_abs(ys))
 
         m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
         m_safe = jnp.where(m > 0, m, 1.0)
 
         def head_sumsq(h, s):
-            ys = _chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+            ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
             return s + _row_sumsq(ys, m_safe, spec)
 
         s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
@@ -410,7 +333,7 @@ def _encode_pallas(k, v, spec: _Spec):
     ]
     args = [k, v]
     if cfg.rotate_keys or cfg.rotate_values:
-        args.append(jnp.asarray(_rotation_operand(spec)))
+        args.append(jnp.asarray(rotation_operand(spec)))
     per_token = cfg.token_scaling and cfg.norm_granularity == "per_token"
     nblk = pl.cdiv(t // g, spec.tuning.groups_per_block)
     kwargs = {}

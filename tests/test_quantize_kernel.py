@@ -31,6 +31,7 @@ import oscar_jax as oj
 import pallas_kernels  # noqa: F401  (registers implementation="pallas")
 from benchmarks.bench_quantize import ulp_dist
 from pallas_kernels import quantize as pq
+from pallas_kernels import quantize_rotation as qr
 
 # name: (preset, preset overrides, D, T, input dtype, kernel options)
 CASES = {
@@ -244,9 +245,9 @@ def test_kronecker_factors_equal_the_dense_rotation(rotation, d, bits, g):
     cfg = oj.preset("oscar", bits=bits, group_size=g, rotation=rotation)
     spec = pq._Spec(cfg, g, 1, d, "bfloat16", pq.QuantizeTuning(), True)
     w = spec.w
-    block = np.asarray(pq._rotation_operand(spec), np.float64)  # [D, W]
+    block = np.asarray(qr.rotation_operand(spec), np.float64)  # [D, W]
     x = np.random.default_rng(d + g).integers(-8, 9, size=(g, d)).astype(np.float64)
     zs = [x[:, a * w : (a + 1) * w] @ block[a * w : (a + 1) * w] for a in range(d // w)]
-    got = np.concatenate(pq._butterflies(zs), axis=1)  # integers: exact in float64
+    got = np.concatenate(qr.butterflies(zs), axis=1)  # integers: exact in float64
     want = np.round(x @ oj.rotation_matrix(cfg, d).T * np.sqrt(d))
     np.testing.assert_array_equal(got, want)
