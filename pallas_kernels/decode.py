@@ -83,6 +83,18 @@ class DecodeConfig:
     unpack: code -> 16-bit float unpacking: "asm" (inline PTX, 4 codes per
       instruction group) or "jnp" (the same bit trick in Pallas ops; interpret mode
       always uses it).
+    ring_rows: rows per block of the fused ring loop; 0 = ``ring_block(slots)`` (32 for
+      the default 160 slots). The ring's pipelined [rows, D] K/V buffers set the whole
+      launch's shared memory (42 KB of 43 at 32 rows, D 128, 3 stages: ``ptxas``); 16
+      rows need 24 KB, so the SM's block limit moves from shared memory to registers.
+      Opt-in and not yet timed on the GPU (offline counts only, 2026-11-30).
+    vparams: how the kernel reads the per-token value scales / zeros: "col" (one
+      2-byte column per value group: 128 synchronous ld.global.b16 per thread per
+      block of 64 tokens at D 128) or "pair" (the same arrays bitcast to uint32 pairs
+      outside the kernel, no copy of the cache: 4-byte columns, half the loads, which
+      Triton pipelines as cp.async). "pair" needs 16-bit scales and an even number of
+      value groups per head. Opt-in and not yet timed on the GPU; offline it takes 255
+      registers at 2 warps and 128 at 4, so it is meant for ``num_warps=4``.
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -94,6 +106,8 @@ class DecodeConfig:
     fuse_ring: bool = True
     unpack: str = "asm"
     ablate: str = ""  # benchmark-only: "no_v" leaves the value path out (wrong results)
+    ring_rows: int = 0
+    vparams: str = "col"
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -104,6 +118,13 @@ class DecodeConfig:
             raise ValueError(f"block_tokens={self.block_tokens} must be a power of two >= 16")
         if not _pow2(self.num_warps):
             raise ValueError(f"num_warps={self.num_warps} must be a power of two")
+        rr = self.ring_rows
+        if isinstance(rr, bool) or not isinstance(rr, int | np.integer) or rr < 0:
+            raise ValueError(f"ring_rows={rr!r} must be a non-negative int")
+        if rr and (not _pow2(rr) or rr < 16):
+            raise ValueError(f"ring_rows={rr} must be 0 (auto) or a power of two >= 16")
+        if self.vparams not in ("col", "pair"):
+            raise ValueError(f"vparams={self.vparams!r} must be 'col' or 'pair'")
         if self.ablate not in ("", "no_v"):
             raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
         if self.unpack not in ("asm", "jnp"):
@@ -173,7 +194,23 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
     hn = cache.k_norm.shape[1]
     nq = cache.num_quantized().astype(jnp.int32)
     kc = cache.k_codes.reshape(b, h, lq // g, g, db)
-    ring = ring_block(cache.slots) if q_plain is not None else 0
+    v_scale, v_zero, vpair, nvp = cache.v_scale, cache.v_zero, None, d // gv
+    if cfg.vparams == "pair":
+        pdt = jnp.dtype(kcfg.scale_dtype)
+        if pdt.itemsize != 2 or nvp % 2:
+            raise ValueError(
+                f"vparams='pair' needs 16-bit scales and an even number of value groups; "
+                f"got {pdt.name} and {nvp} groups (head_dim={d}, value group {gv})"
+            )
+        vpair, nvp = pdt, nvp // 2
+
+        def pairs(x):  # [B, H, Lq, D / Gv] 16-bit -> [B, H, Lq, D / Gv / 2] uint32
+            return jax.lax.bitcast_convert_type(x.reshape(b, h, lq, nvp, 2), jnp.uint32)
+
+        v_scale, v_zero = pairs(v_scale), pairs(v_zero)
+    ring = (cfg.ring_rows or ring_block(cache.slots)) if q_plain is not None else 0
+    if ring and cache.slots % ring:
+        raise ValueError(f"ring_rows={ring} must divide the ring's {cache.slots} slots")
     kern = functools.partial(
         int_kernel,
         bits=bits,
@@ -185,6 +222,7 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         ablate=cfg.ablate,
         asm=not cfg.interpret and cfg.unpack == "asm",
         ring=ring,
+        vpair=vpair,
     )
 
     def full(*shape):
@@ -200,8 +238,8 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
             (None, None, lq), (lambda i, j, s: (i, j, 0)) if hn > 1 else (lambda i, j, s: (i, 0, 0))
         ),
         full(lq, db),
-        full(lq, d // gv),
-        full(lq, d // gv),
+        full(lq, nvp),
+        full(lq, nvp),
     ]
     args = [
         nq,
@@ -211,8 +249,8 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         cache.k_zero,
         cache.k_norm,
         cache.v_codes,
-        cache.v_scale,
-        cache.v_zero,
+        v_scale,
+        v_zero,
     ]
     if ring:
         ns += 1

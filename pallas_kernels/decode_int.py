@@ -180,6 +180,7 @@ def _int_quant_part(
     d,
     ablate="",
     asm=False,
+    vpair=None,
 ):
     """One block of T tokens = T / G key groups, one online-softmax step per block.
 
@@ -190,6 +191,11 @@ def _int_quant_part(
     are float16 (the query, loaded once, is the invariant A operand), values bfloat16
     (range: float16 overflowed above 65504); p enters the value dot once per group for
     all planes. Scores are [GP, G] with the query heads as MMA rows.
+
+    ``vpair`` (the 16-bit parameter dtype, or None): ``vs_ref`` / ``vz_ref`` hold the
+    value scales / zeros bitcast to uint32 pairs [T, D / Gv / 2], so each per-token
+    column load moves 4-byte elements (Triton's pipeliner then issues it as cp.async;
+    2-byte elements stay synchronous ld.global.b16) and serves two value groups.
     """
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
     c = 8 // bits
@@ -220,6 +226,16 @@ def _int_quant_part(
         valid = t0 + jax.lax.broadcasted_iota(jnp.int32, (GP, g), 1) < nq
         return jnp.where(valid, s, NEG), valid
 
+    def vparam(ref, q, tg, words):
+        """[G] bf16 value scale / zero of group q for tokens tg.. (see ``vpair``)."""
+        if vpair is None:
+            return ref[pl.ds(tg, g), q].astype(bf16)
+        key = (id(ref), q // 2)
+        if key not in words:
+            words[key] = ref[pl.ds(tg, g), q // 2]  # [G] uint32: 4-byte elements
+        half = ((words[key] >> (16 * (q % 2))) & 0xFFFF).astype(jnp.uint16)
+        return jax.lax.bitcast_convert_type(half, vpair).astype(bf16)
+
     def body(it, carry):
         m_prev, l_prev, accs = carry
         t0 = pl.multiple_of(start + it * t, t)
@@ -238,11 +254,12 @@ def _int_quant_part(
         for jg, p in enumerate(ps):
             tg = t0 + jg * g
             pb = p.astype(bf16)  # one operand conversion per group, shared by every plane
+            words = {}  # vpair: one [G] uint32 load serves value groups 2k and 2k + 1
             for j in range(nchunk):
                 grps = [(i * p_w + j * w) // gv for i in range(c)]
-                vs = [jnp.broadcast_to(vs_ref[pl.ds(tg, g), q].astype(bf16)[:, None], (g, w))
+                vs = [jnp.broadcast_to(vparam(vs_ref, q, tg, words)[:, None], (g, w))
                       for q in grps]  # [G, W] per plane  # fmt: skip
-                vz = [jnp.broadcast_to(vz_ref[pl.ds(tg, g), q].astype(bf16)[:, None], (g, w))
+                vz = [jnp.broadcast_to(vparam(vz_ref, q, tg, words)[:, None], (g, w))
                       for q in grps]  # fmt: skip
                 vh = _dequant(vc_ref[pl.ds(tg, g), pl.ds(j * w, w)], bits, asm, bf16, vs, vz)
                 for i in range(c):

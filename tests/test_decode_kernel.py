@@ -64,6 +64,15 @@ CASES = {
         dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)),
         dict(fuse_ring=False),
     ),
+    # opt-in variants: value scales / zeros read as uint32 pairs, 16-row fused ring blocks
+    "int2_d128_gqa4_vpair_ring16": (
+        dict(method="oscar", max_len=768),
+        dict(block_tokens=64, blocks_per_split=3, vparams="pair", ring_rows=16),
+    ),
+    "int2_d64_gqa8_vpair": (
+        dict(method="oscar", d=64, gqa=8, h=1, lens=(517, 40)),
+        dict(vparams="pair", num_warps=4),
+    ),
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
         dict(block_tokens=64, blocks_per_split=2),
@@ -120,6 +129,17 @@ class TestDecodeKernelGPU:
             self.decode(q, cache, num_warps=3)
         with pytest.raises(ValueError, match="fuse_ring"):
             self.decode(q, cache, fuse_ring=1)
+        with pytest.raises(ValueError, match="ring_rows"):
+            self.decode(q, cache, ring_rows=64)  # does not divide the 160 ring slots
+        c64 = oj.init_cache(
+            oj.preset("oscar", bits=2, group_size=64),
+            batch=1,
+            max_len=512,
+            num_kv_heads=1,
+            head_dim=64,
+        )  # one value group per head: nothing to pair
+        with pytest.raises(ValueError, match="vparams"):
+            self.decode(q[..., :64], c64, vparams="pair")
         with pytest.raises(ValueError, match="GQA ratio"):
             self.decode(jnp.repeat(q[:, :1], 32, axis=1), cache)
         with pytest.raises(ValueError, match="bits"):
@@ -141,12 +161,22 @@ def test_heuristic_config():
         pdec.DecodeConfig(ablate="nope")
     with pytest.raises(ValueError, match="unpack"):
         pdec.DecodeConfig(unpack="nope")
+    for bad in (dict(vparams="nope"), dict(ring_rows=24), dict(ring_rows=8), dict(ring_rows=-1)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            pdec.DecodeConfig(**bad)
+    assert pdec.DecodeConfig().vparams == "col" and pdec.DecodeConfig().ring_rows == 0
     assert pdec.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
     assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
 
 @pytest.mark.parametrize(
-    "method,opts", [("oscar", {}), ("oscar", {"fuse_ring": False}), ("bf16", {})]
+    "method,opts",
+    [
+        ("oscar", {}),
+        ("oscar", {"fuse_ring": False}),
+        ("oscar", {"vparams": "pair", "ring_rows": 16}),
+        ("bf16", {}),
+    ],
 )
 def test_lowers_to_triton(method, opts):
     """Lowering gaps (e.g. slicing a loaded value) that interpret mode cannot see, on CPU."""
