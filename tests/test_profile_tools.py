@@ -1,0 +1,65 @@
+"""Profiling drivers: benchmarks/ncu_kernels.py (one kernel for Nsight Compute) and
+benchmarks/profile_step.py (a decode step's GPU kernels grouped by kind)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import ncu_kernels  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["quantize", "--tokens", "64", "--options", '{"num_warps": 4}'],
+        ["decode", "--tokens", "384", "--options", '{"blocks_per_split": 2}'],
+    ],
+)
+def test_runs_each_kernel(argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["ncu_kernels.py", *argv])
+    ncu_kernels.main()
+    out = capsys.readouterr().out
+    assert f"{argv[0]} call 0 done" in out and f"{argv[0]} call 1 done" in out
+
+
+def test_rejects_unknown_options(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["ncu_kernels.py", "quantize", "--tokens", "64",
+                                      "--options", '{"num_warps": 3}'])  # fmt: skip
+    with pytest.raises(ValueError, match="num_warps"):
+        ncu_kernels.main()
+
+
+def test_profile_step_kinds_and_summary():
+    """profile_step groups GPU kernels by kind and reports per-step time and launches."""
+    from benchmarks import profile_step as ps
+
+    assert ps.kind_of("oscar_decode_int2") == "attention"
+    assert ps.kind_of("oscar_quantize_int2") == "quantize"
+    assert ps.kind_of("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert ps.kind_of("gemv2T_kernel_val") == "gemm"
+    assert ps.kind_of("ncclDevKernel_AllReduce_Sum_bf16") == "collective"
+    assert ps.kind_of("loop_add_fusion") == "other"
+    times = {"oscar_decode_int2": [10.0, 12.0], "gemv2T_kernel_val": [3.0] * 4,
+             "loop_add_fusion": [1.0] * 6}  # fmt: skip
+    s = ps.summarize(times, steps=2, top=2)
+    assert s["kinds"]["attention"] == dict(us=11.0, launches=1.0)
+    assert s["kinds"]["gemm"] == dict(us=6.0, launches=2.0)
+    assert s["launches"] == 6.0 and s["kernel_us"] == 20.0
+    assert [t["name"] for t in s["top"]] == ["oscar_decode_int2", "gemv2T_kernel_val"]
+
+
+def test_profile_step_runs_tiny(tmp_path, monkeypatch, capsys):
+    """The whole driver on CPU (2-layer model): compiles, runs, writes JSON and Markdown."""
+    import json
+
+    from benchmarks import profile_step as ps
+
+    monkeypatch.setattr(sys, "argv", ["profile_step.py", "--tiny", "--steps", "2", "--context",
+                                      "256", "--out", str(tmp_path)])  # fmt: skip
+    ps.main()
+    rep = json.loads((tmp_path / "profile_step.json").read_text())
+    assert rep["steps"] == 2 and rep["context"] == 256 and rep["wall_ms_per_step"] > 0
+    assert "One decode step" in (tmp_path / "profile_step.md").read_text()
