@@ -25,7 +25,7 @@ from oscar_jax import hadamard
 
 
 def rotation_operand(spec) -> np.ndarray:
-    """What ``_chunks`` multiplies by: dense f32 M (rotate(x) = x @ M) for
+    """What ``rotated_chunks`` multiplies by: dense f32 M (rotate(x) = x @ M) for
     ``random_orthogonal``; else the exact +-1 first column block of the (signed)
     Hadamard matrix, [D, W]: rows a*W..(a+1)*W are chunk a's [W, W] factor."""
     rt = hadamard.rotation_matrix(spec.cfg, spec.d).T
@@ -41,6 +41,7 @@ def rotation_operand(spec) -> np.ndarray:
 
 
 def sylvester(n: int) -> np.ndarray:
+    """The unnormalised n x n Sylvester Hadamard matrix (n a power of two)."""
     h = np.ones((1, 1))
     while h.shape[0] < n:
         h = np.block([[h, h], [h, -h]])
