@@ -259,55 +259,43 @@ def _kernel(*refs, spec: _Spec):
         n = jnp.where(m > 0, jnp.where(m > 0, m, 1.0) * jnp.sqrt(s), 0.0).astype(norm_dt)
         return n, _recip(n.astype(jnp.float32), spec)
 
-    def keys_one_head(t0):
-        den = None
-        ys = rotated_chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec)
-        if cfg.token_scaling:
-            m = _row_max_abs(ys)
-            n, den = stored_den(m, _row_sumsq(ys, jnp.where(m > 0, m, 1.0), spec))
-            kn_ref[b, hb, pl.ds(t0, g)] = n
-        _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, hb, t0, den, spec, ys)
-
-    def keys_per_token(t0):  # one norm over all KV heads: three passes over the heads
-        def head_max(h, m):
-            ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
-            return jnp.maximum(m, _row_max_abs(ys))
-
-        m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
-        m_safe = jnp.where(m > 0, m, 1.0)
-
-        def head_sumsq(h, s):
-            ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
-            return s + _row_sumsq(ys, m_safe, spec)
-
-        s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
-        n, den = stored_den(m, s)
-        kn_ref[b, 0, pl.ds(t0, g)] = n
-
-        def head_encode(h, carry):
-            _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, h, t0, den, spec)
-            return carry
-
-        jax.lax.fori_loop(0, spec.h, head_encode, 0)
-
-    def values(t0):
-        if not per_token:
-            _encode_value_head(v_ref, mat_ref, vouts, b, hb, t0, spec)
-            return
-
-        def head(h, carry):
-            _encode_value_head(v_ref, mat_ref, vouts, b, h, t0, spec)
-            return carry
-
-        jax.lax.fori_loop(0, spec.h, head, 0)
-
     def one_group(i):
         t0 = (blk * gpb + i) * g
 
         @pl.when(t0 < spec.t)
         def _():
-            (keys_per_token if per_token else keys_one_head)(t0)
-            values(t0)
+            if not per_token:
+                den = None
+                ys = rotated_chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec)
+                if cfg.token_scaling:
+                    m = _row_max_abs(ys)
+                    n, den = stored_den(m, _row_sumsq(ys, jnp.where(m > 0, m, 1.0), spec))
+                    kn_ref[b, hb, pl.ds(t0, g)] = n
+                _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, hb, t0, den, spec, ys)
+                _encode_value_head(v_ref, mat_ref, vouts, b, hb, t0, spec)
+                return
+
+            def head_max(h, m):  # one norm over all KV heads: three passes over the heads
+                ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+                return jnp.maximum(m, _row_max_abs(ys))
+
+            m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
+            m_safe = jnp.where(m > 0, m, 1.0)
+
+            def head_sumsq(h, s):
+                ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec)
+                return s + _row_sumsq(ys, m_safe, spec)
+
+            s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
+            n, den = stored_den(m, s)
+            kn_ref[b, 0, pl.ds(t0, g)] = n
+
+            def head_encode(h, carry):
+                _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, h, t0, den, spec)
+                _encode_value_head(v_ref, mat_ref, vouts, b, h, t0, spec)
+                return carry
+
+            jax.lax.fori_loop(0, spec.h, head_encode, 0)
 
     for i in range(gpb):
         one_group(i)
