@@ -29,8 +29,11 @@ unsharded cache (ring slots ``cache.slots``, quantized positions from 0).
 Heuristic (``choose_config``): ``T = 64`` tokens per block for the INT kernel (a
 multiple of G; 64 measured faster than 32 and 128 at 1 x 128K on the H200, see
 benchmarks/results/decode_notes.md) and 128 for the BF16 kernel; splits so that
-``B * H * splits`` is about ``8 * 132`` programs (H200 SMs; 16 blocks per split
-beat 8 and 32 at 1 x 128K), at least 4 blocks per split; for the INT kernel 2 warps
+``B * H * splits`` is about one wave, ``4 * 132`` programs, for the INT kernel (4
+resident per H200 SM at 255 registers; 32 blocks per split beat 16 and 8 at 1 x 128K
+and 48 x 4K) and ``8 * 132`` for the BF16 kernel, at least 4 and at most 32 blocks per
+split (57 at 8 x 32K left a near-empty second wave: 0.280 against 0.241 ms); for the
+INT kernel 2 warps
 (0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3
 pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
 The residual ring is one extra split of the same launch (``fuse_ring``). Every field
@@ -52,7 +55,9 @@ from oscar_jax import hadamard
 from oscar_jax.attention import check_query, merge_partials, residual_partial
 from pallas_kernels.decode_int import GP, int_kernel
 
-TARGET_PROGRAMS = 8 * 132  # about 8 programs per H200 SM (4 resident at 128 registers)
+TARGET_PROGRAMS = 8 * 132  # BF16 kernel: about 8 programs per H200 SM
+TARGET_PROGRAMS_INT = 4 * 132  # INT kernel: one wave (255 registers x 2 warps: 4 per SM)
+MAX_BLOCKS_PER_SPLIT = 32  # 8 x 32K: 57 blocks (one wave + a 9% tail) 0.280 ms, 31: 0.241
 
 
 def _triton_params(num_warps: int, num_stages: int):
@@ -90,11 +95,12 @@ class DecodeConfig:
       Opt-in and not yet timed on the GPU (offline counts only, 2026-11-30).
     vparams: how the kernel reads the per-token value scales / zeros: "col" (one
       2-byte column per value group: 128 synchronous ld.global.b16 per thread per
-      block of 64 tokens at D 128) or "pair" (the same arrays bitcast to uint32 pairs
+      block of 64 tokens at D 128), "pair" (the same arrays bitcast to uint32 pairs
       outside the kernel, no copy of the cache: 4-byte columns, half the loads, which
-      Triton pipelines as cp.async). "pair" needs 16-bit scales and an even number of
-      value groups per head. Opt-in and not yet timed on the GPU; offline it takes 255
-      registers at 2 warps and 128 at 4, so it is meant for ``num_warps=4``.
+      Triton pipelines as cp.async) or "auto" (default: "pair" where it applies, i.e.
+      16-bit scales and an even number of value groups per head, else "col"). On the
+      H200 "pair" took 1 x 128K from 0.188 to 0.132 ms and 8 x 32K from 0.331 to
+      0.236 ms (2 warps, 2026-11-30), with 255 registers and no spills.
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -107,7 +113,7 @@ class DecodeConfig:
     unpack: str = "asm"
     ablate: str = ""  # benchmark-only: "no_v" leaves the value path out (wrong results)
     ring_rows: int = 0
-    vparams: str = "col"
+    vparams: str = "auto"
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -123,8 +129,8 @@ class DecodeConfig:
             raise ValueError(f"ring_rows={rr!r} must be a non-negative int")
         if rr and (not _pow2(rr) or rr < 16):
             raise ValueError(f"ring_rows={rr} must be 0 (auto) or a power of two >= 16")
-        if self.vparams not in ("col", "pair"):
-            raise ValueError(f"vparams={self.vparams!r} must be 'col' or 'pair'")
+        if self.vparams not in ("auto", "col", "pair"):
+            raise ValueError(f"vparams={self.vparams!r} must be 'auto', 'col' or 'pair'")
         if self.ablate not in ("", "no_v"):
             raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
         if self.unpack not in ("asm", "jnp"):
@@ -148,8 +154,9 @@ def choose_config(
         )
     t = overrides.get("block_tokens", max(block, group))
     nblk = max(1, -(-tokens // t))
-    want_splits = max(1, -(-TARGET_PROGRAMS // (batch * heads)))
-    bps = max(min(4, nblk), -(-nblk // want_splits))
+    target = TARGET_PROGRAMS_INT if group > 1 else TARGET_PROGRAMS
+    want_splits = max(1, -(-target // (batch * heads)))
+    bps = max(min(4, nblk), min(MAX_BLOCKS_PER_SPLIT, -(-nblk // want_splits)))
     kw = dict(
         block_tokens=t,
         blocks_per_split=bps,
@@ -195,9 +202,10 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
     nq = cache.num_quantized().astype(jnp.int32)
     kc = cache.k_codes.reshape(b, h, lq // g, g, db)
     v_scale, v_zero, vpair, nvp = cache.v_scale, cache.v_zero, None, d // gv
-    if cfg.vparams == "pair":
-        pdt = jnp.dtype(kcfg.scale_dtype)
-        if pdt.itemsize != 2 or nvp % 2:
+    pdt = jnp.dtype(kcfg.scale_dtype)
+    pair_ok = pdt.itemsize == 2 and nvp % 2 == 0
+    if cfg.vparams == "pair" or (cfg.vparams == "auto" and pair_ok):
+        if not pair_ok:
             raise ValueError(
                 f"vparams='pair' needs 16-bit scales and an even number of value groups; "
                 f"got {pdt.name} and {nvp} groups (head_dim={d}, value group {gv})"

@@ -64,10 +64,10 @@ CASES = {
         dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)),
         dict(fuse_ring=False),
     ),
-    # opt-in variants: value scales / zeros read as uint32 pairs, 16-row fused ring blocks
-    "int2_d128_gqa4_vpair_ring16": (
+    # value scales / zeros as 2-byte columns (the default reads uint32 pairs), 16-row ring
+    "int2_d128_gqa4_vcol_ring16": (
         dict(method="oscar", max_len=768),
-        dict(block_tokens=64, blocks_per_split=3, vparams="pair", ring_rows=16),
+        dict(block_tokens=64, blocks_per_split=3, vparams="col", ring_rows=16),
     ),
     "int2_d64_gqa8_vpair": (
         dict(method="oscar", d=64, gqa=8, h=1, lens=(517, 40)),
@@ -140,6 +140,7 @@ class TestDecodeKernelGPU:
         )  # one value group per head: nothing to pair
         with pytest.raises(ValueError, match="vparams"):
             self.decode(q[..., :64], c64, vparams="pair")
+        self.decode(q[..., :64], c64)  # "auto" falls back to 2-byte columns
         with pytest.raises(ValueError, match="GQA ratio"):
             self.decode(jnp.repeat(q[:, :1], 32, axis=1), cache)
         with pytest.raises(ValueError, match="bits"):
@@ -164,7 +165,7 @@ def test_heuristic_config():
     for bad in (dict(vparams="nope"), dict(ring_rows=24), dict(ring_rows=8), dict(ring_rows=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pdec.DecodeConfig(**bad)
-    assert pdec.DecodeConfig().vparams == "col" and pdec.DecodeConfig().ring_rows == 0
+    assert pdec.DecodeConfig().vparams == "auto" and pdec.DecodeConfig().ring_rows == 0
     assert pdec.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
     assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
@@ -174,7 +175,7 @@ def test_heuristic_config():
     [
         ("oscar", {}),
         ("oscar", {"fuse_ring": False}),
-        ("oscar", {"vparams": "pair", "ring_rows": 16}),
+        ("oscar", {"vparams": "col", "ring_rows": 16}),
         ("bf16", {}),
     ],
 )
