@@ -171,6 +171,14 @@ VARIANTS = {  # name -> encode options (None: the XLA path; "dense": XLA, matmul
     "pallas gpb2 w4": dict(groups_per_block=2, num_warps=4),
     "pallas gpb4 w4": dict(groups_per_block=4, num_warps=4),
     "pallas gpb4 w8": dict(groups_per_block=4, num_warps=8),
+    # group loops that Triton pipelines (cp.async prefetch of the next group's tiles)
+    "pallas gpb4 w2 s2": dict(groups_per_block=4, num_warps=2, num_stages=2),
+    "pallas gpb4 w2 s3": dict(groups_per_block=4, num_warps=2, num_stages=3),
+    "pallas gpb8 w2 s2": dict(groups_per_block=8, num_warps=2, num_stages=2),
+    "pallas gpb8 w2 s3": dict(groups_per_block=8, num_warps=2, num_stages=3),
+    "pallas gpb16 w2 s3": dict(groups_per_block=16, num_warps=2, num_stages=3),
+    "pallas gpb8 w4 s3": dict(groups_per_block=8, num_warps=4, num_stages=3),
+    "pallas gpb8 w1 s3": dict(groups_per_block=8, num_warps=1, num_stages=3),
 }
 
 

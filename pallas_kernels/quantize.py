@@ -3,7 +3,11 @@
 One ``pallas_call`` encodes a block of keys *and* values straight into the cache's
 layout (see ``oscar_jax.codec``): every program reads ``groups_per_block`` groups of
 G tokens of one KV head (all KV heads for ``per_token`` norms) once from HBM and
-writes codes, scales/zeros and norms; nothing intermediate goes back to HBM.
+writes codes, scales/zeros and norms; nothing intermediate goes back to HBM. The
+groups of a program are a loop that Triton software-pipelines (``num_stages=2``: the
+next group's tiles are prefetched by cp.async while one is encoded). Default 4 groups,
+2 stages; on the H200 (2026-11-30) 128K tokens took 0.808 against 0.904 ms with one
+group per program, 32K tokens 0.227-0.252 against 0.246-0.254 ms (two runs).
 
 Per group of G tokens, the tile is read as D/W chunks of W = min(P, Gv) channels (P =
 D*bits/8 channels per packed plane, Gv the value group), rotated by
@@ -58,9 +62,9 @@ class QuantizeTuning:
     exact_division: IEEE-rounded divisions as in XLA (True) or reciprocal multiplies.
     """
 
-    groups_per_block: int = 1
+    groups_per_block: int = 4
     num_warps: int = 2
-    num_stages: int = 1
+    num_stages: int = 2
     exact_division: bool = True
 
     def __post_init__(self):
@@ -262,7 +266,7 @@ def _kernel(*refs, spec: _Spec):
     def one_group(i):
         t0 = (blk * gpb + i) * g
 
-        @pl.when(t0 < spec.t)
+        @_when(t0 < spec.t, (spec.t // g) % gpb != 0)
         def _():
             if not per_token:
                 den = None
@@ -297,8 +301,16 @@ def _kernel(*refs, spec: _Spec):
 
             jax.lax.fori_loop(0, spec.h, head_encode, 0)
 
-    for i in range(gpb):
-        one_group(i)
+    if gpb == 1:
+        one_group(0)
+    else:  # a loop (not unrolled): Triton's pipeliner prefetches group i+1 with num_stages > 1
+        jax.lax.fori_loop(0, gpb, lambda i, c: (one_group(i), c)[1], 0)
+
+
+def _when(cond, needed: bool):
+    """pl.when(cond) where the grid has a partial last block; unguarded otherwise, so
+    the group loop's loads stay unconditional and pipelineable."""
+    return pl.when(cond) if needed else (lambda f: f())
 
 
 @functools.partial(jax.jit, static_argnames=("spec",))
@@ -343,8 +355,8 @@ def _encode_pallas(k, v, spec: _Spec):
 
 
 def encode(
-    k, v, cfg: KVQuantConfig, *, interpret: bool | None = None, groups_per_block: int = 1,
-    num_warps: int = 2, num_stages: int = 1, exact_division: bool = True,
+    k, v, cfg: KVQuantConfig, *, interpret: bool | None = None, groups_per_block: int = 4,
+    num_warps: int = 2, num_stages: int = 2, exact_division: bool = True,
 ) -> tuple[codec.EncodedKeys, codec.EncodedValues]:  # fmt: skip
     """Fused encoder of head-major k, v [B, H, T, D] (T a multiple of G); codec's layout.
 

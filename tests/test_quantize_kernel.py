@@ -60,6 +60,14 @@ CASES = {
         "bfloat16",
         dict(groups_per_block=4),
     ),
+    "oscar_int2_d128_g32_bf16_loop": (  # whole blocks: the unguarded, pipelined group loop
+        "oscar",
+        dict(bits=2, group_size=32),
+        128,
+        256,
+        "bfloat16",
+        dict(groups_per_block=4, num_stages=3),
+    ),
     "rotation_only_int4_d128_f32": ("rotation_only", dict(bits=4), 128, 96, "float32", {}),
     "ots_only_int2_d64_f16_per_token": (
         "ots_only",
