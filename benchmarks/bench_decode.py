@@ -232,6 +232,25 @@ def plot(results, path):
     return True
 
 
+def render_saved(paths, out):
+    """Merge earlier runs' results (per shape, later paths win) into one table and plot."""
+    saved = [json.load(open(p)) for p in paths]
+    results = {}
+    for d in saved:
+        results.update(d["results"])
+    rates = ", ".join(f"{d['copy_bytes_per_s'] / 1e9:.0f}" for d in saved)
+    header = (
+        f"Decode attention, one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128), "
+        f"{saved[0]['device']}, jax {saved[0]['jax']}; merged from {', '.join(paths)} "
+        f"(device copies in those runs: {rates} GB/s; the table uses the first)."
+    )
+    md = table(results, saved[0]["copy_bytes_per_s"], header)
+    with open(os.path.join(out, "decode_bench.md"), "w") as f:
+        f.write(md + "\n")
+    plot(results, os.path.join(out, "decode_bench.png"))
+    print(md)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
@@ -244,8 +263,14 @@ def main():
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--gqa-splits", default="8,16,32", help="k_splits tried for Pallas gqa")
     ap.add_argument("--variant-shapes", default="", help="shapes that run all --variants")
+    ap.add_argument(
+        "--from-json", default="", help="comma-separated earlier decode_bench.json: re-render "
+        "their table and plot into --out (later files win per shape; copy rate of the first)"
+    )  # fmt: skip
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.from_json:
+        return render_saved(args.from_json.split(","), args.out)
     logf = open(os.path.join(args.out, "bench_decode.log"), "a")
 
     def log(msg):

@@ -63,3 +63,28 @@ def test_profile_step_runs_tiny(tmp_path, monkeypatch, capsys):
     rep = json.loads((tmp_path / "profile_step.json").read_text())
     assert rep["steps"] == 2 and rep["context"] == 256 and rep["wall_ms_per_step"] > 0
     assert "One decode step" in (tmp_path / "profile_step.md").read_text()
+
+
+def test_decode_bench_rerenders_saved_runs(tmp_path, monkeypatch, capsys):
+    """bench_decode --from-json merges earlier runs per shape (later files win)."""
+    import json
+
+    from benchmarks import bench_decode
+
+    def run(ms_int2, shape):
+        peers = {n: dict(ms=0.2, bytes=4e8) for n in ("bf16 pallas (ours)", "cudnn bf16")}
+        return {shape: dict(int2=dict(ms=ms_int2, bytes=1e8), **peers)}
+
+    paths = []
+    for i, res in enumerate([{**run(0.5, "1x4096"), **run(0.3, "8x32768")}, run(0.1, "8x32768")]):
+        p = tmp_path / f"r{i}.json"
+        p.write_text(json.dumps(dict(copy_bytes_per_s=4e12, results=res, device="d", jax="j")))
+        paths.append(str(p))
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["bench_decode.py", "--from-json", ",".join(paths),
+                                      "--out", str(out)])  # fmt: skip
+    bench_decode.main()
+    md = (out / "decode_bench.md").read_text()
+    assert "| 1x4096 | 0.5000 ms |" in md and "| 8x32768 | 0.1000 ms |" in md
+    assert "0.3000" not in md and "| 8x32768 | 0.1000 ms | 0.2000 ms | n/a | 0.2000 ms |" in md
+    assert "2.00x" in md and "0.40x" in md  # fastest BF16 / INT2 per shape
