@@ -111,6 +111,19 @@ def test_sharded_tokens_equal(runs):
     assert data["meta"]["num_devices"] == 2 and data["meta"]["nccl_nvls_enable"] == "0"
 
 
+def test_sharded_check_under_gspmd(tmp_path):
+    """--partitioner gspmd (the workaround for Shardy's GPU segfault on the bf16 cache)
+    gives the same greedy tokens as one device."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    proc = _start("bench_sharded.py", tmp_path, ["--devices", "2", "--workloads", "check",
+                                                 "--caches", "bf16", "--partitioner", "gspmd"],
+                  {"XLA_FLAGS": flags.strip()})  # fmt: skip
+    data, _, _ = _finish(proc, tmp_path, "sharded")
+    u = data["units"]["check/bf16/seq"]
+    assert u["status"] == "ok" and u["tokens_equal"] is True and u["mismatches"] == 0
+    assert data["meta"]["partitioner"] == "gspmd"
+
+
 def test_sharded_timings_and_capacity(runs):
     data, md, _, _ = runs["sharded"]
     units = data["units"]
