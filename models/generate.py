@@ -271,6 +271,7 @@ def _check_mesh(mc: ModelConfig, kv, mesh, ax, batch: int, max_len: int, impleme
             "attention math per shard; use implementation='xla'"
         )
     msh.check_model_mesh(mc, mesh, ax, batch=batch)
+    msh.warn_known_crash(kv, mesh)
     shape = jax.eval_shape(lambda: oj.init_cache(
         kv, batch=batch, max_len=max_len, num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
     ))  # fmt: skip

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import collections
 import re
+import warnings
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -57,6 +59,25 @@ def check_model_mesh(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES, batch=No
         )
     if batch is not None and batch % nd:
         raise ValueError(f"batch={batch} must be divisible by the {ax.data} axis ({nd})")
+
+
+def warn_known_crash(kv, mesh) -> bool:
+    """Warn (and return True) before a sharded BF16-cache decode compiles on GPUs with
+    XLA's Shardy partitioner: on jax 0.11.2 / H200 that compile died with a segmentation
+    fault inside Shardy, which Python cannot catch; GSPMD compiles the same program."""
+    devices = list(np.asarray(mesh.devices).flat)
+    if kv.quantized or len(devices) < 2 or not jax.config.jax_use_shardy_partitioner:
+        return False
+    if not all(getattr(d, "platform", "") == "gpu" for d in devices):
+        return False
+    warnings.warn(
+        "sharded decoding with the BF16 cache on GPUs crashed XLA's Shardy partitioner "
+        "(segfault, jax 0.11.2); set JAX_USE_SHARDY_PARTITIONER=false or "
+        "jax.config.update('jax_use_shardy_partitioner', False) before compiling",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return True
 
 
 def param_specs(cfg: ModelConfig, ax: MeshAxes = AXES, per_layer: bool = False) -> dict:

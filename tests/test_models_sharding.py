@@ -166,3 +166,38 @@ def test_bad_mesh_raises():
     with pytest.raises(ValueError, match="implementation='pallas'"):
         models.generate(m, ids, 2, implementation="pallas", mesh=make_mesh((1, 1, 8)), **kw)
     assert math.prod(make_mesh((2, 2, 2)).devices.shape) == 8
+
+
+def test_warns_before_the_known_shardy_crash():
+    """Sharded BF16-cache decode on GPUs with Shardy on: a warning, not a silent segfault."""
+    import types
+    import warnings
+
+    gpus = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")] * 2))
+    bf16, int2 = oj.preset("bf16"), oj.preset("oscar", bits=2)
+    with _shardy(True):
+        with pytest.warns(RuntimeWarning, match="JAX_USE_SHARDY_PARTITIONER=false"):
+            assert msh.warn_known_crash(bf16, gpus)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not msh.warn_known_crash(int2, gpus)  # quantized caches compile
+            cpus = Mesh(np.array(jax.devices()[:1]), ("data",))
+            assert not msh.warn_known_crash(bf16, cpus)  # one device / not GPUs
+    with _shardy(False), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not msh.warn_known_crash(bf16, gpus)  # GSPMD: the workaround
+
+
+def _shardy(on: bool):
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        old = jax.config.jax_use_shardy_partitioner
+        jax.config.update("jax_use_shardy_partitioner", on)
+        try:
+            yield
+        finally:
+            jax.config.update("jax_use_shardy_partitioner", old)
+
+    return ctx()
