@@ -214,14 +214,17 @@ def plot(results, path):
         return False
     names = ["int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for b in sorted({int(s.split("x")[0]) for s in results}):
+    colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    markers = "os^Dv"  # one marker per batch size, one colour per implementation
+    for i, b in enumerate(sorted({int(s.split("x")[0]) for s in results})):
         rows = sorted(
             (int(s.split("x")[1]), r) for s, r in results.items() if int(s.split("x")[0]) == b
         )
         for n in names:
             pts = [(c, r[n]["ms"]) for c, r in rows if "ms" in r.get(n, {})]
             if len(pts):
-                ax.plot(*zip(*pts, strict=True), marker="o", label=f"{n} (batch {b})")
+                ax.plot(*zip(*pts, strict=True), marker=markers[i % len(markers)],
+                        color=colors[n], label=f"{n} (batch {b})")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length")
