@@ -100,7 +100,9 @@ class DecodeConfig:
       Triton pipelines as cp.async) or "auto" (default: "pair" where it applies, i.e.
       16-bit scales and an even number of value groups per head, else "col"). On the
       H200 "pair" took 1 x 128K from 0.188 to 0.132 ms and 8 x 32K from 0.331 to
-      0.236 ms (2 warps, 2026-11-30), with 255 registers and no spills.
+      0.236 ms (2 warps, 2026-11-30), with 255 registers and no spills. "tile" (opt-in,
+      not yet timed) reads the G tokens' [G, D/Gv] parameters as one contiguous tile and
+      needs no per-call re-pack (the pairs' bitcast is a copy of both arrays in XLA).
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -129,8 +131,8 @@ class DecodeConfig:
             raise ValueError(f"ring_rows={rr!r} must be a non-negative int")
         if rr and (not _pow2(rr) or rr < 16):
             raise ValueError(f"ring_rows={rr} must be 0 (auto) or a power of two >= 16")
-        if self.vparams not in ("auto", "col", "pair"):
-            raise ValueError(f"vparams={self.vparams!r} must be 'auto', 'col' or 'pair'")
+        if self.vparams not in ("auto", "col", "pair", "tile"):
+            raise ValueError(f"vparams={self.vparams!r} must be 'auto', 'col', 'pair' or 'tile'")
         if self.ablate not in ("", "no_v"):
             raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
         if self.unpack not in ("asm", "jnp"):
@@ -231,6 +233,7 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
         asm=not cfg.interpret and cfg.unpack == "asm",
         ring=ring,
         vpair=vpair,
+        vtile=cfg.vparams == "tile",
     )
 
     def full(*shape):

@@ -181,6 +181,7 @@ def _int_quant_part(
     ablate="",
     asm=False,
     vpair=None,
+    vtile=False,
 ):
     """One block of T tokens = T / G key groups, one online-softmax step per block.
 
@@ -196,6 +197,9 @@ def _int_quant_part(
     value scales / zeros bitcast to uint32 pairs [T, D / Gv / 2], so each per-token
     column load moves 4-byte elements (Triton's pipeliner then issues it as cp.async;
     2-byte elements stay synchronous ld.global.b16) and serves two value groups.
+    ``vtile``: the parameters of G tokens are read as one contiguous [G, D / Gv] tile
+    (wide cp.async, no re-pack of the cache outside the kernel) and each group's
+    column is taken by a masked row sum (exact: one non-zero term).
     """
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
     c = 8 // bits
@@ -228,6 +232,13 @@ def _int_quant_part(
 
     def vparam(ref, q, tg, words):
         """[G] bf16 value scale / zero of group q for tokens tg.. (see ``vpair``)."""
+        if vtile:
+            key = id(ref)
+            if key not in words:
+                words[key] = ref[pl.ds(tg, g), :].astype(f32)  # [G, D / Gv]: one tile
+            tile = words[key]
+            cols = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 1)
+            return jnp.sum(jnp.where(cols == q, tile, 0.0), axis=1).astype(bf16)
         if vpair is None:
             return ref[pl.ds(tg, g), q].astype(bf16)
         key = (id(ref), q // 2)

@@ -73,6 +73,15 @@ CASES = {
         dict(method="oscar", d=64, gqa=8, h=1, lens=(517, 40)),
         dict(vparams="pair", num_warps=4),
     ),
+    # opt-in: value parameters as one [G, D/Gv] tile per group (no re-pack outside)
+    "int2_d128_gqa4_vtile": (
+        dict(method="oscar", lens=(700, 33, 0), max_len=768),
+        dict(block_tokens=64, blocks_per_split=4, vparams="tile"),
+    ),
+    "int4_d256_gqa1_vtile_f32params": (
+        dict(method="oscar", bits=4, d=256, gqa=1, h=1, lens=(300,), param_dtype="float32"),
+        dict(vparams="tile"),
+    ),
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
         dict(block_tokens=64, blocks_per_split=2),
@@ -176,6 +185,7 @@ def test_heuristic_config():
         ("oscar", {}),
         ("oscar", {"fuse_ring": False}),
         ("oscar", {"vparams": "col", "ring_rows": 16}),
+        ("oscar", {"vparams": "tile"}),
         ("bf16", {}),
     ],
 )
