@@ -279,8 +279,8 @@ class Bench:
         sh = jax.sharding.SingleDeviceSharding(self.dev)
         state = {}
 
-        def forward():
-            fwd = jax.jit(lambda p, ids: _forward(cfg, p, ids))
+        def forward(attention):
+            fwd = jax.jit(lambda p, ids: _forward(cfg, p, ids, attention))
             compiled, cinfo = ec.compile_timed(fwd, self.pabs, ec.abstract((b, t), jnp.int32, sh))
             ids = jax.device_put(jax.random.randint(jax.random.key(a.seed), (b, t), 0,
                                                     cfg.vocab_size, jnp.int32), sh)  # fmt: skip
@@ -292,9 +292,12 @@ class Bench:
                 jax.block_until_ready(out)
                 runs.append(time.perf_counter() - s)
                 state["kv"] = out[1:]
-            return dict(runs_s=runs, median_s=float(np.median(runs)), tokens=t, **cinfo)
+            return dict(runs_s=runs, median_s=float(np.median(runs)), tokens=t,
+                        attention=attention, **cinfo)  # fmt: skip
 
-        self.r.unit(f"{name}/prefill32k/forward", forward)
+        for att in a.prompt_attention:  # the last one's K/V feed the fill units
+            tag = "" if att == "reference" else f":{att}"
+            self.r.unit(f"{name}/prefill32k/forward{tag}", functools.partial(forward, att))
         for c in caches:
             for enc in a.prefill_encode_impls if c.quantized else ["xla"]:
                 self.r.unit(f"{name}/prefill32k/{c.name}:{enc}",
@@ -360,9 +363,9 @@ def compile_head(cfg, params_abs, x_abs):
     return ec.compile_timed(fn, params_abs, x_abs, ec.abstract((), jnp.int32, None))
 
 
-def _forward(cfg, params, ids):
+def _forward(cfg, params, ids, attention="reference"):
     """The prefill forward: all layers over the prompt, K/V kept, logits of the last token."""
-    x, (k, v) = layers.forward(cfg, params, ids, keep_kv=True)
+    x, (k, v) = layers.forward(cfg, params, ids, keep_kv=True, attention=attention)
     return layers.lm_head(cfg, params, x[:, -1]), k, v
 
 
@@ -385,6 +388,8 @@ def parse_args(argv=None):
     ap.add_argument("--impl", default=None, help="kernel of caches without one (pallas; tiny: xla)")
     ap.add_argument("--encode-impl", default="xla", help="encoder of the decode-time appends")
     ap.add_argument("--prefill-encode-impls", type=_list, default=None, help="xla,pallas")
+    ap.add_argument("--prompt-attention", type=_list, default=["reference"],
+                    help="prefill forward's attention(s): reference,cudnn,xla")  # fmt: skip
     ap.add_argument("--fill", default="random", choices=("random", "zeros", "encode"))
     ap.add_argument("--steps", type=_steps, default=None, help="latency loop lengths n1,n2")
     ap.add_argument("--tp-steps", type=_steps, default=None, help="throughput n1,n2")

@@ -40,8 +40,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import oscar_jax as oj
+from models import layers, stopping
 from models import sharding as msh
-from models import stopping
 from models.config import ModelConfig
 from models.model import CausalLM
 from models.step import (  # noqa: F401  (re-exported: used by the benchmarks)
@@ -197,6 +197,7 @@ def prepare(
     pad_token_id: int | None = None,
     mesh: Mesh | None = None,
     mesh_axes: osh.MeshAxes = osh.AXES,
+    prompt_attention: str = "reference",
 ) -> Prepared:
     """Validate the inputs (ValueError on bad ids / lengths / sizes) and build the static config.
 
@@ -243,6 +244,7 @@ def prepare(
         pad_token_id = m.config.pad_token_id
     if pad_token_id is None:
         pad_token_id = stops[0] if stops else 0
+    _check_prompt_attention(prompt_attention, m.dtype, mesh)
     cache_kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
     if mesh is not None:
         _check_mesh(m.config, cache_kv, mesh, mesh_axes, b, int(max_len), implementation)
@@ -253,12 +255,30 @@ def prepare(
         greedy=greedy, top_k=None if greedy else top_k,
         use_top_p=(not greedy) and top_p is not None and top_p < 1.0,
         stop_tokens=stops, pad_id=int(pad_token_id), mesh=mesh, axes=mesh_axes,
+        prompt_attention=prompt_attention,
     )  # fmt: skip
     ids_j, lens_j = jnp.asarray(pad), jnp.asarray(lens, jnp.int32)
     if mesh is not None:
         ids_j = jax.device_put(ids_j, msh.rows(mesh, mesh_axes, 2))
         lens_j = jax.device_put(lens_j, msh.rows(mesh, mesh_axes))
     return Prepared(st, ids_j, lens_j, m, kv)
+
+
+def _check_prompt_attention(impl, dtype, mesh) -> None:
+    """ValueError unless ``layers.causal_attention`` can run ``impl`` here."""
+    if impl not in layers.PROMPT_ATTENTION:
+        raise ValueError(f"prompt_attention={impl!r} must be one of {layers.PROMPT_ATTENTION}")
+    if impl == "reference":
+        return
+    if mesh is not None:
+        raise ValueError(f"prompt_attention={impl!r}: sharded runs (mesh=...) use 'reference'")
+    if impl == "cudnn":
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            raise ValueError("prompt_attention='cudnn' needs a GPU; use 'reference' or 'xla'")
+        if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(
+                f"prompt_attention='cudnn' needs a bfloat16/float16 model, got {jnp.dtype(dtype)}"
+            )
 
 
 def _check_mesh(mc: ModelConfig, kv, mesh, ax, batch: int, max_len: int, implementation: str):
@@ -298,6 +318,7 @@ def generate(
     return_info: bool = False,
     mesh: Mesh | None = None,
     mesh_axes: osh.MeshAxes = osh.AXES,
+    prompt_attention: str = "reference",
 ):
     """Generate ``max_new_tokens`` tokens per row -> [B, N] int32 (and info with ``return_info``).
 
@@ -324,6 +345,9 @@ def generate(
     ``mesh``: run sharded on a ``jax.sharding.Mesh`` with axes ``mesh_axes`` (default
     ("data", "model", "sequence"); layout and requirements in ``models.sharding``);
     the tokens are the same as unsharded (logits equal up to float summation order).
+    ``prompt_attention``: the prefill's attention (``layers.causal_attention``):
+    "reference" (float32, exact, slow on long prompts), "cudnn" (GPU flash attention in
+    the model's 16-bit dtype) or "xla".
     """
     kv = oj.preset("oscar", bits=2) if kv is None else kv
     p = prepare(
@@ -331,6 +355,7 @@ def generate(
         cache_dtype=cache_dtype, implementation=implementation, temperature=temperature,
         top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, pad_token_id=pad_token_id,
         encode_implementation=encode_implementation, mesh=mesh, mesh_axes=mesh_axes,
+        prompt_attention=prompt_attention,
     )  # fmt: skip
     key = jax.random.key(seed)
     out, info = _generate_jit(

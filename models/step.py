@@ -51,6 +51,7 @@ class Static(NamedTuple):
     pad_id: int
     mesh: Mesh | None = None  # sharded run (models.sharding's layout) when set
     axes: osh.MeshAxes = osh.AXES
+    prompt_attention: str = "reference"  # layers.causal_attention's implementation
 
 
 # -- building blocks (pure, traced) -------------------------------------------------
@@ -91,7 +92,8 @@ def _prefill(st: Static, params, ids, lengths):
     b, t = ids.shape
     ax = st.axes
     valid = jnp.arange(t)[None, :] < lengths[:, None]
-    x, (k, v) = layers.forward(mc, params, ids, valid=valid, keep_kv=True, stack_kv=False)
+    x, (k, v) = layers.forward(mc, params, ids, valid=valid, keep_kv=True, stack_kv=False,
+                               attention=st.prompt_attention)  # fmt: skip
     if isinstance(k, tuple):  # per-layer params: L arrays [B, T, Hkv, D] each
         spec = P(ax.data, None, ax.model, None)
         k, v = (tuple(msh.constrain(a, st.mesh, spec) for a in kv) for kv in (k, v))

@@ -38,7 +38,8 @@ def _finish(proc, out, stem):
 def runs(tmp_path_factory):
     e2e_out, sh_out = tmp_path_factory.mktemp("e2e"), tmp_path_factory.mktemp("sharded")
     e2e = _start("bench_e2e.py", e2e_out, ["--models", "llama31_8b", "--breakdown-always",
-                                           "--breakdown-carry"])  # fmt: skip
+                                           "--breakdown-carry",
+                                           "--prompt-attention", "reference,xla"])  # fmt: skip
     flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     sh = _start("bench_sharded.py", sh_out, ["--devices", "2", "--workloads",
                                              "check,seq128k,maxctx,tpmax32k",
@@ -88,7 +89,9 @@ def test_e2e_summary_and_breakdown(runs):
               "of which append", "of which carry", "largest"):  # fmt: skip
         assert k in bd
     assert any(k.startswith("prefill_oscar2") for k in s)
-    assert "## llama31_8b" in md and "Next bottleneck" in md
+    assert s["prefill_forward_s"] > 0 and s["prefill_forward:xla_s"] > 0  # both prompt paths
+    assert data["units"]["llama31_8b/prefill32k/forward:xla"]["attention"] == "xla"
+    assert "attention xla" in md and "## llama31_8b" in md and "Next bottleneck" in md
 
 
 def test_e2e_budget_skips_and_still_writes(tmp_path):
