@@ -222,6 +222,11 @@ class TestQuantizeKernelAPI:
                 np.testing.assert_array_equal(a, b)
         assert pq.kernel_unsupported_reason(oj.preset("oscar", bits=2), 128) is None
 
+    def test_default_warps_grow_with_the_tile(self):
+        assert pq.default_num_warps(32, 128) == 2  # the timed default
+        assert pq.default_num_warps(32, 64) == 2 and pq.default_num_warps(64, 128) == 4
+        assert pq.default_num_warps(128, 128) == 8 and pq.default_num_warps(128, 256) == 8
+
     def test_errors(self):
         cfg = oj.preset("oscar", bits=2)
         k, v = head_major_kv(4, 1, 64, 2, 64, jnp.bfloat16)
