@@ -6,7 +6,7 @@ kernel (``--caches bf16,oscar2``: BF16 and OScaR INT2, with ``--impl``, default 
 kernels; ``bf16:cudnn`` / ``bf16:xla`` add other BF16 attentions, the fastest BF16 one is
 compared). The decode program is ``models.generate``'s per-step ``_decode`` (all layers,
 unrolled over per-layer caches, greedy sampling) in a device loop over caches filled to the
-context (see ``e2e_common``): no long forward pass except in ``prefill32k``. The weights are
+context (see ``e2e_fill``): no long forward pass except in ``prefill32k``. The weights are
 in the per-layer form (a tuple of layer dicts, each its own buffers) that the step reads in
 place; ``prefill32k``'s forward runs the layers in a Python loop over them.
 
@@ -47,6 +47,7 @@ import functools  # noqa: E402
 import time  # noqa: E402
 
 import e2e_common as ec  # noqa: E402
+import e2e_fill as ef  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -82,14 +83,14 @@ class Bench:
         cfg = ec.model_config(name, a.tiny)
         self.cfg, self.name = cfg, name
         t = time.perf_counter()
-        self.params = ec.random_params(cfg, ec.param_shardings(cfg, device=self.dev), a.seed)
+        self.params = ef.random_params(cfg, ec.param_shardings(cfg, device=self.dev), a.seed)
         if a.params_layout == "stacked":  # the old layout (A/B): the step slices each layer
             per, self.params = self.params["layers"], layers.stack_layers(self.params)
-            ec.delete(per)  # the per-layer copies (embedding, norm, head are shared)
+            ef.delete(per)  # the per-layer copies (embedding, norm, head are shared)
         jax.block_until_ready(self.params)
         self.pabs = jax.tree_util.tree_map(lambda x: ec.abstract(x.shape, x.dtype, x.sharding),
                                            self.params)  # fmt: skip
-        pbytes = ec.tree_nbytes(self.params)
+        pbytes = ef.tree_nbytes(self.params)
         self.r.data["meta"].setdefault("models", {})[name] = dict(
             config=dataclasses.asdict(cfg),
             params_bytes=pbytes, init_s=time.perf_counter() - t,
@@ -113,7 +114,7 @@ class Bench:
                 for c in caches:
                     fn = self.tpmax_unit if b is None else self.decode_unit
                     self.r.unit(f"{name}/{w}/{c.label}", functools.partial(fn, c, b, ctx, tp))
-        ec.delete(self.params)
+        ef.delete(self.params)
         self.params = None
 
     # -- decode programs ----------------------------------------------------------------
@@ -131,7 +132,7 @@ class Bench:
         steps = a.tp_steps if tp else a.steps
         impl = impl or spec.impl
         sh = jax.sharding.SingleDeviceSharding(self.dev)
-        cabs = ec.abstract_caches(cfg, spec.kv, batch, ctx, device=self.dev)
+        cabs = ef.abstract_caches(cfg, spec.kv, batch, ctx, device=self.dev)
         tok_abs = ec.abstract((batch,), jnp.int32, sh)
         if program is None:
             st = ec.static(cfg, spec.kv, ctx, impl, a.encode_impl)
@@ -143,17 +144,17 @@ class Bench:
         compiled, cinfo = program
         n_fill = ctx - steps[1] - 1
         t = time.perf_counter()
-        caches = ec.make_caches(cabs, n_fill, a.fill, a.seed)
+        caches = ef.make_caches(cabs, n_fill, a.fill, a.seed)
         jax.block_until_ready(caches)
         fill_s = time.perf_counter() - t
-        cache_bytes = ec.tree_nbytes(caches)
+        cache_bytes = ef.tree_nbytes(caches)
         tok = jax.device_put(jnp.arange(batch, dtype=jnp.int32) % cfg.vocab_size, sh)
         try:
             res, args = ec.time_steps(compiled, ec.decode_args(self.params, caches, tok), steps,
                                       a.tp_repeats if tp else a.repeats)  # fmt: skip
-            ec.delete(args[1])
+            ef.delete(args[1])
         finally:
-            ec.delete(caches)
+            ef.delete(caches)
         ms = res["ms_per_step"]
         return dict(
             res, batch=batch, context=ctx, filled_tokens=n_fill, cache=spec.name, impl=impl,
@@ -164,7 +165,7 @@ class Bench:
     def tpmax_unit(self, spec: ec.CacheSpec, _b, ctx: int, tp: bool):
         a, cfg = self.a, self.cfg
         ms = ec.memory_stats(self.dev, a.mem_limit_gib * ec.GiB if a.mem_limit_gib else None)
-        row = ec.tree_nbytes(memory.abstract_caches(cfg, spec.kv, batch=1, max_len=ctx))
+        row = ef.tree_nbytes(memory.abstract_caches(cfg, spec.kv, batch=1, max_len=ctx))
         stats = bool(ms["bytes_limit"])  # no allocator stats (CPU): pretend tiny_rows rows fit
         limit = ms["bytes_limit"] or ms["bytes_in_use"] + a.tiny_rows * row
         margin = max(a.margin_gib * ec.GiB, 0.02 * limit) if stats else 0
@@ -178,7 +179,7 @@ class Bench:
 
         def build(b):
             st = ec.static(cfg, spec.kv, ctx, spec.impl, a.encode_impl)
-            cabs = ec.abstract_caches(cfg, spec.kv, b, ctx, device=self.dev)
+            cabs = ef.abstract_caches(cfg, spec.kv, b, ctx, device=self.dev)
             tok_abs = ec.abstract((b,), jnp.int32, sh)
             key = (self.name, spec.name, spec.impl, b, ctx, False)
             return self.compiled(key, lambda: ec.compile_decode(st, self.pabs, cabs, tok_abs))
@@ -251,12 +252,12 @@ class Bench:
         out = {}
         for ctx in self.sizes["mem"][1]:
             before = ec.memory_stats(self.dev)["bytes_in_use"]
-            cabs = ec.abstract_caches(cfg, spec.kv, 1, ctx, device=self.dev)
-            caches = ec.make_caches(cabs, ctx, "zeros")
+            cabs = ef.abstract_caches(cfg, spec.kv, 1, ctx, device=self.dev)
+            caches = ef.make_caches(cabs, ctx, "zeros")
             jax.block_until_ready(caches)
             after = ec.memory_stats(self.dev)["bytes_in_use"]
-            live = ec.tree_nbytes(caches)
-            ec.delete(caches)
+            live = ef.tree_nbytes(caches)
+            ef.delete(caches)
             one = jax.eval_shape(functools.partial(
                 oj.init_cache, spec.kv, batch=1, max_len=ctx, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim))  # fmt: skip
@@ -286,7 +287,7 @@ class Bench:
                                                     cfg.vocab_size, jnp.int32), sh)  # fmt: skip
             runs = []
             for _ in range(a.prefill_runs):
-                ec.delete(state.pop("kv", None))
+                ef.delete(state.pop("kv", None))
                 s = time.perf_counter()
                 out = compiled(self.params, ids)
                 jax.block_until_ready(out)
@@ -302,7 +303,7 @@ class Bench:
             for enc in a.prefill_encode_impls if c.quantized else ["xla"]:
                 self.r.unit(f"{name}/prefill32k/{c.name}:{enc}",
                             functools.partial(self.fill_unit, c, enc, state, b, t))  # fmt: skip
-        ec.delete(state.pop("kv", None))
+        ef.delete(state.pop("kv", None))
 
     def fill_unit(self, spec, enc, state, b, t):
         if "kv" not in state:
@@ -327,8 +328,8 @@ class Bench:
             out = compiled(k, v)
             jax.block_until_ready(out)
             runs.append(time.perf_counter() - s)
-            nbytes = ec.tree_nbytes(out)
-            ec.delete(out)
+            nbytes = ef.tree_nbytes(out)
+            ef.delete(out)
         return dict(runs_s=runs, median_s=float(np.median(runs[1:])), encode_impl=enc,
                     cache_bytes=nbytes, **cinfo)  # fmt: skip
 

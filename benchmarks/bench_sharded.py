@@ -42,6 +42,7 @@ import functools  # noqa: E402
 import time  # noqa: E402
 
 import e2e_common as ec  # noqa: E402
+import e2e_fill as ef  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -101,11 +102,11 @@ class Bench:
         """Weights in one layout (the same values in every layout: index-hashed init)."""
         if exclusive:
             for k in [k for k in self._params if k != layout]:
-                ec.delete(self._params.pop(k))
+                ef.delete(self._params.pop(k))
         if layout not in self._params:
             mesh = self.mesh(layout)
             sh = ec.param_shardings(self.cfg, mesh, self.dev0)
-            self._params[layout] = p = ec.random_params(self.cfg, sh, self.a.seed, self.dtype)
+            self._params[layout] = p = ef.random_params(self.cfg, sh, self.a.seed, self.dtype)
             jax.block_until_ready(p)
         return self._params[layout]
 
@@ -127,7 +128,7 @@ class Bench:
         st = ec.static(self.cfg, spec.kv, ctx, "xla", mesh=mesh, dtype=self.dtype)
         if mesh is not None:
             ec.gen._check_mesh(self.cfg, spec.kv, mesh, st.axes, batch, ctx, "xla")
-        cabs = ec.abstract_caches(
+        cabs = ef.abstract_caches(
             self.cfg, spec.kv, batch, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
         )
         tok_abs = ec.abstract((batch,), jnp.int32, rows)
@@ -148,16 +149,16 @@ class Bench:
             params = self.params(where)
             compiled, info = self.program(spec, where, 1, ctx, params)
             mesh, rows = self.shardings(where, 1)
-            cabs = ec.abstract_caches(
+            cabs = ef.abstract_caches(
                 cfg, spec.kv, 1, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
             )
-            caches = ec.make_caches(cabs, 0, "zeros")
+            caches = ef.make_caches(cabs, 0, "zeros")
             buf = np.zeros((1, ec.HISTORY), np.int32)
             buf[:, : forced.shape[1]] = forced
             tok = jax.device_put(jnp.zeros((1,), jnp.int32), rows)
             args = ec.decode_args(params, caches, tok, buf, n_forced)
             res = compiled(*args, np.int32(p_len + k - 1))
-            ec.delete(res[0])
+            ef.delete(res[0])
             return info["compile_s"], [np.asarray(h)[0, p_len - 1 : p_len - 1 + k] for h in res[2]]
 
         c1, (tok1, top1, top2) = run("1gpu", prompt, p_len)
@@ -229,7 +230,7 @@ class Bench:
         a, cfg = self.a, self.cfg
         mesh, rows = self.shardings(layout, batch)
         params = self.params(layout, exclusive)
-        cabs = ec.abstract_caches(
+        cabs = ef.abstract_caches(
             cfg, spec.kv, batch, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
         )
         per_dev = self.cache_bytes_per_device(cabs)
@@ -246,15 +247,15 @@ class Bench:
                         bytes_limit=limit, bytes_in_use=ms["bytes_in_use"], **cinfo)  # fmt: skip
         n_fill = ctx - steps[1] - 1
         t = time.perf_counter()
-        caches = ec.make_caches(cabs, n_fill, a.fill, a.seed)
+        caches = ef.make_caches(cabs, n_fill, a.fill, a.seed)
         jax.block_until_ready(caches)
         fill_s = time.perf_counter() - t
         tok = jax.device_put(jnp.arange(batch, dtype=jnp.int32) % cfg.vocab_size, rows)
         try:
             res, args = ec.time_steps(compiled, ec.decode_args(params, caches, tok), steps, repeats)
-            ec.delete(args[1])
+            ef.delete(args[1])
         finally:
-            ec.delete(caches)
+            ef.delete(caches)
         return dict(res, mesh=str(tuple(mesh.shape.values())) if mesh else "1 device",
                     batch=batch, context=ctx, filled_tokens=n_fill, cache=spec.name, impl="xla",
                     tokens_per_s=batch / (res["ms_per_step"] * 1e-3), fill_s=fill_s,
@@ -294,7 +295,7 @@ class Bench:
             for v in jax.tree_util.tree_leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
         )  # replicated over sequence
         limit = ms["bytes_limit"] or weights + a.tiny_rows * (1 << 20)  # tiny: pretend
-        nbytes = lambda n: ec.tree_nbytes(
+        nbytes = lambda n: ef.tree_nbytes(
             memory.abstract_caches(  # noqa: E731
                 cfg, spec.kv, batch=1, max_len=n, dtype=self.dtype
             )
@@ -318,7 +319,7 @@ class Bench:
         params = self.params(layout, exclusive=True)
         ms = ec.memory_stats(self.dev0, a.mem_limit_gib * ec.GiB if a.mem_limit_gib else None)
         nd = mesh.shape["data"] if mesh else 1  # rows are split over the data axis
-        one = ec.abstract_caches(
+        one = ef.abstract_caches(
             cfg, spec.kv, nd, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
         )
         row = self.cache_bytes_per_device(one) // nd  # device-0 bytes per row of the batch

@@ -28,6 +28,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import e2e_common as ec  # noqa: E402
+import e2e_fill as ef  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -106,14 +107,14 @@ def main():
     dev = jax.devices()[0]
     spec = ec.parse_caches(a.cache, "xla" if dev.platform == "cpu" else "pallas")[0]
     sh = jax.sharding.SingleDeviceSharding(dev)
-    params = ec.random_params(cfg, ec.param_shardings(cfg, device=dev), a.seed)
+    params = ef.random_params(cfg, ec.param_shardings(cfg, device=dev), a.seed)
     pabs = jax.tree_util.tree_map(lambda x: ec.abstract(x.shape, x.dtype, x.sharding), params)
-    cabs = ec.abstract_caches(cfg, spec.kv, a.batch, a.context, device=dev)
+    cabs = ef.abstract_caches(cfg, spec.kv, a.batch, a.context, device=dev)
     tok_abs = ec.abstract((a.batch,), jnp.int32, sh)
     st = ec.static(cfg, spec.kv, a.context, spec.impl, a.encode_impl)
     compiled, cinfo = ec.compile_decode(st, pabs, cabs, tok_abs)
     print(f"compiled in {cinfo['compile_s']:.1f} s", flush=True)
-    caches = ec.make_caches(cabs, a.context - 2 * a.steps - 1, a.fill, a.seed)
+    caches = ef.make_caches(cabs, a.context - 2 * a.steps - 1, a.fill, a.seed)
     tok = jax.device_put(jnp.arange(a.batch, dtype=jnp.int32) % cfg.vocab_size, sh)
     args = ec.decode_args(params, caches, tok)
     out = compiled(*args, np.int32(a.steps))  # warm-up; the caches are donated

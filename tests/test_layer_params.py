@@ -2,7 +2,7 @@
 
 Both forms give the same numbers: ``layers.forward`` (Python loop vs ``lax.scan``),
 ``step.layer_params``, ``CausalLM.decode_params`` (folded, sharded, cached), the
-sharding specs, and ``benchmarks/e2e_common.random_params`` (the same index-hashed values
+sharding specs, and ``benchmarks/e2e_fill.random_params`` (the same index-hashed values
 per layer as slices of the stacked tensors). ``tests/test_inplace.py`` proves the decode
 step reads the per-layer weights without copies.
 """
@@ -29,6 +29,7 @@ from models.config import ModelConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import e2e_common as ec  # noqa: E402
+import e2e_fill as ef  # noqa: E402
 
 CFG = ModelConfig(
     family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -160,7 +161,7 @@ def test_random_params_per_layer_keep_the_stacked_values(name):
     """Layer l's tensor = slice l of the stacked tensor hashed from its stacked indices."""
     cfg = ec.model_config(name, tiny=True).replace(num_layers=3)
     seed = 5
-    got = ec.random_params(cfg, ec.param_shardings(cfg), seed)
+    got = ef.random_params(cfg, ec.param_shardings(cfg), seed)
     shapes = layers.param_shapes(cfg)
     flat, _ = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=layers.is_shape)
     half, checked = 0.02 * np.sqrt(3.0), 0
@@ -168,7 +169,7 @@ def test_random_params_per_layer_keep_the_stacked_values(name):
         keys = [str(getattr(k, "key", k)) for k in path]
         if "norm" in keys[-1] or keys[-1].startswith("b"):
             continue
-        u = ec.hash_uniform(shape, 1000 * seed + i)  # the stacked tensor's values
+        u = ef.hash_uniform(shape, 1000 * seed + i)  # the stacked tensor's values
         want = np.asarray((half * (2.0 * u - 1.0)).astype(jnp.bfloat16))
         if keys[0] == "layers":
             for layer in range(cfg.num_layers):
