@@ -437,8 +437,9 @@ def parse_args(argv=None):
     ap.add_argument("--resume", default="", help="earlier JSON: its ok units are kept, not re-run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--partitioner", default="shardy", choices=("shardy", "gspmd"),
-        help="XLA's SPMD partitioner; gspmd avoids a Shardy segfault (jax 0.11.2, GPU, bf16 cache)",
+        "--partitioner", default=None, choices=("shardy", "gspmd"),
+        help="XLA's SPMD partitioner (default: JAX's setting); gspmd avoids a Shardy segfault "
+        "(jax 0.11.2, GPU, bf16 cache)",
     )  # fmt: skip
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/sharded")
@@ -465,16 +466,18 @@ def parse_args(argv=None):
 def main(argv=None):
     a = parse_args(argv)
     ec.setup_jax(a.jax_cache)
-    jax.config.update("jax_use_shardy_partitioner", a.partitioner == "shardy")
+    if a.partitioner:  # else JAX's own setting (e.g. JAX_USE_SHARDY_PARTITIONER) stands
+        jax.config.update("jax_use_shardy_partitioner", a.partitioner == "shardy")
     devs = jax.devices()[: a.devices or None]
     if len(devs) < 2:
         sys.exit(f"bench_sharded needs >= 2 devices, found {len(devs)}")
+    shardy = jax.config.jax_use_shardy_partitioner
     meta = dict(issue=10, device=devs[0].device_kind, platform=devs[0].platform,
                 num_devices=len(devs), jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(a),
                 memory=ec.memory_stats(devs[0]),
                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-                partitioner=a.partitioner)  # fmt: skip
+                partitioner="shardy" if shardy else "gspmd")  # fmt: skip
     r = Runner(a.out, "sharded", a.budget_s, meta, sharded_summary, a.resume)
     r.log(f"jax {jax.__version__}: {len(devs)} x {devs[0].device_kind}")
     Bench(a, r).run()

@@ -273,7 +273,7 @@ def _check_prompt_attention(impl, dtype, mesh) -> None:
     if mesh is not None:
         raise ValueError(f"prompt_attention={impl!r}: sharded runs (mesh=...) use 'reference'")
     if impl == "cudnn":
-        if not any(d.platform == "gpu" for d in jax.devices()):
+        if not oj.gpu_available():
             raise ValueError("prompt_attention='cudnn' needs a GPU; use 'reference' or 'xla'")
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
             raise ValueError(

@@ -112,11 +112,10 @@ def causal_attention(q, k, v, valid=None, chunk: int = QUERY_CHUNK, implementati
     """
     if implementation != "reference":
         kv_len = None if valid is None else jnp.sum(valid, axis=1, dtype=jnp.int32)
-        o = jax.nn.dot_product_attention(
+        return jax.nn.dot_product_attention(
             q, k.astype(q.dtype), v.astype(q.dtype), is_causal=True,
             key_value_seq_lengths=kv_len, implementation=implementation,
         )  # fmt: skip
-        return o.astype(q.dtype)
     b, t, hq, d = q.shape
     h = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, t, h, hq // h, d)

@@ -68,7 +68,7 @@ def warn_known_crash(kv, mesh) -> bool:
     devices = list(np.asarray(mesh.devices).flat)
     if kv.quantized or len(devices) < 2 or not jax.config.jax_use_shardy_partitioner:
         return False
-    if not all(getattr(d, "platform", "") == "gpu" for d in devices):
+    if not all(d.platform == "gpu" for d in devices):
         return False
     warnings.warn(
         "sharded decoding with the BF16 cache on GPUs crashed XLA's Shardy partitioner "

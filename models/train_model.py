@@ -20,6 +20,7 @@ import optax
 
 from models import layers
 from models.config import ModelConfig
+from oscar_jax import gpu_available
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +135,7 @@ def optimizer(r: Recipe, params) -> optax.GradientTransformation:
 
 
 def attention_impl(dtype: str) -> str:
-    gpu = any(d.platform == "gpu" for d in jax.devices())
+    gpu = gpu_available()
     return "cudnn" if gpu and dtype == "bfloat16" else "xla"
 
 

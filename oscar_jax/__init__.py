@@ -44,6 +44,7 @@ from oscar_jax.codec import (
     register_encoder,
 )
 from oscar_jax.config import METHODS, KVQuantConfig, preset
+from oscar_jax.devices import gpu_available
 from oscar_jax.fake_quant import fake_quant_keys, fake_quant_values
 from oscar_jax.hadamard import fwht, hadamard_matrix, rotate, rotation_matrix, unrotate
 from oscar_jax.persistence import load as load_state
@@ -57,6 +58,7 @@ __all__ = [
     "decode_attention_xla", "decode_keys",
     "decode_values", "dequantize", "dequantize_groups", "diagnostics", "encode",
     "encode_keys_xla", "encode_values_xla", "fake_quant_keys", "fake_quant_values", "fwht",
+    "gpu_available",
     "hadamard_matrix", "init_cache", "load_state", "merge_partials", "pack", "persistence",
     "prefill", "preset",
     "quantize_groups", "register_decode_attention", "register_encoder", "rotate",

@@ -66,13 +66,6 @@ def _triton_params(num_warps: int, num_stages: int):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def on_gpu() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
 def _pow2(n: int) -> bool:
     return n >= 1 and not n & (n - 1)
 
@@ -164,7 +157,7 @@ def choose_config(
         blocks_per_split=bps,
         num_warps=2 if group > 1 else 4,
         num_stages=3 if group > 1 else 2,
-        interpret=not on_gpu(),
+        interpret=not oscar_jax.gpu_available(),
     )
     kw.update(overrides)
     return DecodeConfig(**kw)

@@ -80,13 +80,6 @@ class QuantizeTuning:
             raise ValueError(f"exact_division={self.exact_division!r} must be a bool")
 
 
-def gpu_available() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False
-
-
 def kernel_unsupported_reason(cfg: KVQuantConfig, head_dim: int) -> str | None:
     """Why the fused kernel cannot encode this config / head_dim (None: it can)."""
     if cfg.bits not in (2, 4):
@@ -376,10 +369,6 @@ def encode(
     """
     if not isinstance(cfg, KVQuantConfig) or not cfg.quantized:
         raise ValueError(f"cfg={cfg!r} must be a quantized KVQuantConfig")
-    if num_warps is None:
-        shape = getattr(k, "shape", ())
-        num_warps = default_num_warps(cfg.group_size, shape[-1] if shape else 0)
-    tuning = QuantizeTuning(groups_per_block, num_warps, num_stages, exact_division)
     for name, x in (("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4 or not jnp.issubdtype(x.dtype, jnp.floating):
             raise ValueError(
@@ -389,6 +378,9 @@ def encode(
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"k {k.shape} {k.dtype} must match v {v.shape} {v.dtype}")
     t, d = k.shape[2], k.shape[3]
+    if num_warps is None:
+        num_warps = default_num_warps(cfg.group_size, d)
+    tuning = QuantizeTuning(groups_per_block, num_warps, num_stages, exact_division)
     if t % cfg.group_size:
         raise ValueError(f"tokens T={t} must be a multiple of group_size={cfg.group_size}")
     if kernel_unsupported_reason(cfg, d) is not None or jnp.dtype(k.dtype).itemsize > 4:
@@ -396,7 +388,7 @@ def encode(
     if t == 0:
         return codec.encode_keys_xla(k, cfg), codec.encode_values_xla(v, cfg)
     if interpret is None:
-        interpret = not gpu_available()
+        interpret = not oscar_jax.gpu_available()
     spec = _Spec(cfg, t, k.shape[1], d, jnp.dtype(k.dtype).name, tuning, bool(interpret))
     if spec.in_dtype not in ("bfloat16", "float16", "float32"):
         k, v = k.astype(jnp.float32), v.astype(jnp.float32)

@@ -13,6 +13,8 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import jax  # noqa: E402
 
+from oscar_jax import gpu_available  # noqa: E402, F401  (the tests' GPU check)
+
 jax.config.update("jax_enable_x64", False)
 
 # Hypothesis profiles (tests/test_fuzz.py): "ci" (default) is derandomized with no
@@ -35,10 +37,3 @@ if settings is not None:
         "long", phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True, **_common
     )
     settings.load_profile(os.environ.get("OSCAR_HYPOTHESIS_PROFILE", "ci"))
-
-
-def gpu_available() -> bool:
-    try:
-        return any(d.platform == "gpu" for d in jax.devices())
-    except RuntimeError:
-        return False

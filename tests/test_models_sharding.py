@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -188,16 +189,11 @@ def test_warns_before_the_known_shardy_crash():
         assert not msh.warn_known_crash(bf16, gpus)  # GSPMD: the workaround
 
 
+@contextlib.contextmanager
 def _shardy(on: bool):
-    import contextlib
-
-    @contextlib.contextmanager
-    def ctx():
-        old = jax.config.jax_use_shardy_partitioner
-        jax.config.update("jax_use_shardy_partitioner", on)
-        try:
-            yield
-        finally:
-            jax.config.update("jax_use_shardy_partitioner", old)
-
-    return ctx()
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", on)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", old)
