@@ -5,9 +5,12 @@ cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``), Pallas
 ``ops.gpu.decode_attention.gqa`` (best of several k_splits), and a large
 device-to-device copy (x -> -x, read + write) as the bandwidth ceiling.
 
-Timing is device-side: ``reps`` chained calls inside one jit (each query depends on
-the previous output); per-call time = (T(reps) - T(1)) / (reps - 1), which removes
-the host dispatch; the median over ``calls`` host calls of each is used.
+Timing is device-side: a loop of ``reps`` iterations inside one jit, each iteration
+``unroll`` chained calls (each query depends on the previous output); per-call time =
+(T(reps) - T(1)) / ((reps - 1) * unroll), which removes the host dispatch; the median
+over ``calls`` host calls of each is used. Unrolling matters at small shapes: an XLA
+GPU while loop costs ~10-20 us per iteration (the trip predicate goes to the host), as
+much as a 1 x 4K call; ``--unroll 1`` is the pre-2026-11-30 harness.
 
     PYTHONPATH=. python benchmarks/bench_decode.py --out /tmp/bench [--check] \
         [--variants '[{"block_tokens":128,"num_warps":4}]'] [--shapes 1x131072,8x32768]
@@ -32,7 +35,7 @@ HQ, HKV, D = 32, 8, 128
 SHAPES = ((1, 131072), (8, 32768), (48, 4096), (1, 4096))
 
 
-def device_time(fn, q, reps: int, calls: int, operands=()) -> float:
+def device_time(fn, q, reps: int, calls: int, operands=(), unroll: int = 1) -> float:
     """Median seconds per fn(q, *operands) call, device-side (see module docstring).
 
     The operands (caches) are jit arguments, not closed-over constants, and the chain
@@ -42,7 +45,9 @@ def device_time(fn, q, reps: int, calls: int, operands=()) -> float:
     @jax.jit
     def chain(q0, n, ops):
         def body(_, qc):
-            return qc + (1e-6 * fn(qc, *ops)).astype(qc.dtype)
+            for _ in range(unroll):  # the barrier keeps XLA from fusing chained calls
+                qc = jax.lax.optimization_barrier(qc + (1e-6 * fn(qc, *ops)).astype(qc.dtype))
+            return qc
 
         return jax.lax.fori_loop(0, n, body, q0)
 
@@ -56,13 +61,15 @@ def device_time(fn, q, reps: int, calls: int, operands=()) -> float:
         s = time.perf_counter()
         chain(q, reps, operands).block_until_ready()
         tn.append(time.perf_counter() - s)
-    return max(float(np.median(tn) - np.median(t1)) / (reps - 1), 1e-9)
+    return max(float(np.median(tn) - np.median(t1)) / ((reps - 1) * unroll), 1e-9)
 
 
-def copy_bandwidth(nbytes: int, reps: int, calls: int) -> float:
+def copy_bandwidth(nbytes: int, reps: int, calls: int, unroll: int = 1) -> float:
     """Bytes/s of a device-side elementwise copy (read + write), chained in one jit."""
     x = jnp.ones((nbytes // 4,), jnp.float32)
-    t = device_time(lambda y: -y * 1e6, x, reps, calls)  # body adds 1e-6*fn(y): stays finite
+    t = device_time(
+        lambda y: -y * 1e6, x, reps, calls, unroll=unroll
+    )  # body adds 1e-6*fn(y): stays finite
     return 2 * x.size * 4 / t
 
 
@@ -107,7 +114,7 @@ def run_shape(b, ctx, args, log):
     k_bl, v_bl = jnp.swapaxes(k_hm, 1, 2), jnp.swapaxes(v_hm, 1, 2)
     nb = int2_bytes(c2)
     bf_bytes = 2 * k_hm.size * 2
-    T = lambda f, ops: device_time(f, q, args.reps, args.calls, ops)  # noqa: E731
+    T = lambda f, ops: device_time(f, q, args.reps, args.calls, ops, args.unroll)  # noqa: E731
     variants = json.loads(args.variants) if args.variants else [{}]
     if args.variant_shapes and f"{b}x{ctx}" not in args.variant_shapes.split(","):
         variants = variants[:1]
@@ -261,6 +268,7 @@ def main():
     ap.add_argument("--variants", default="", help="JSON list of INT2 option dicts; first=main")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=5)
+    ap.add_argument("--unroll", type=int, default=8, help="chained calls per loop iteration")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--no-gqa", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=2048)
@@ -284,37 +292,28 @@ def main():
     dev = jax.devices()[0]
     now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     log(f"jax {jax.__version__} device {dev.device_kind} date {now}")
-    bw = copy_bandwidth(args.copy_mib << 20, args.reps, args.calls)
+    bw = copy_bandwidth(args.copy_mib << 20, args.reps, args.calls, args.unroll)
     log(f"copy bandwidth {bw / 1e9:.0f} GB/s")
     results = {}
+
+    def save():  # after every shape: partial results survive a timeout
+        meta = dict(device=dev.device_kind, jax=jax.__version__, unroll=args.unroll)
+        with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
+            json.dump(dict(copy_bytes_per_s=bw, results=results, **meta), f, indent=1)
+
     for s in args.shapes.split(","):
         b, c = (int(x) for x in s.split("x"))
         log(f"heuristic for {s}: {pdec.choose_config(b, HKV, c, 32)}")
         results[s] = run_shape(b, c, args, log)
-        with open(os.path.join(args.out, "decode_bench.json"), "w") as f:  # partial results
-            json.dump(
-                dict(
-                    copy_bytes_per_s=bw,
-                    results=results,
-                    device=dev.device_kind,
-                    jax=jax.__version__,
-                ),
-                f,
-                indent=1,
-            )
+        save()
     header = (
         f"Decode attention, one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128), "
         f"{dev.device_kind}, jax {jax.__version__}, "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}; device-side per-call time "
-        f"(median of {args.calls} host calls of {args.reps} chained steps)."
+        f"(median of {args.calls} host calls of {args.reps} loop steps x {args.unroll} "
+        "chained calls)."
     )
     md = table(results, bw, header)
-    with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
-        json.dump(
-            dict(copy_bytes_per_s=bw, results=results, device=dev.device_kind, jax=jax.__version__),
-            f,
-            indent=1,
-        )
     with open(os.path.join(args.out, "decode_bench.md"), "w") as f:
         f.write(md + "\n")
     plot(results, os.path.join(args.out, "decode_bench.png"))

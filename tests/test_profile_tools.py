@@ -88,3 +88,23 @@ def test_decode_bench_rerenders_saved_runs(tmp_path, monkeypatch, capsys):
     assert "| 1x4096 | 0.5000 ms |" in md and "| 8x32768 | 0.1000 ms |" in md
     assert "0.3000" not in md and "| 8x32768 | 0.1000 ms | 0.2000 ms | n/a | 0.2000 ms |" in md
     assert "2.00x" in md and "0.40x" in md  # fastest BF16 / INT2 per shape
+
+
+def test_gemv_bench_variants_agree():
+    """bench_gemv's variants compute the same x @ W (the transposed one on W.T)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks import bench_gemv
+
+    kx, kw = jax.random.split(jax.random.PRNGKey(3))
+    x = jax.random.normal(kx, (3, 64), jnp.float32)
+    w = jax.random.normal(kw, (64, 40), jnp.float32)
+    want = np.asarray(x @ w)
+    for name in ("einsum", "default", "transposed", "split4", "split16"):
+        ww = w.T if name == "transposed" else w
+        got = np.asarray(bench_gemv.variant(name)(x, ww))
+        np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=name)
+    with pytest.raises(ValueError, match="variant="):
+        bench_gemv.variant("nope")
