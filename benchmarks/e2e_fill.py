@@ -81,11 +81,15 @@ def random_params(cfg: ModelConfig, shardings, seed: int = 0, dtype=jnp.bfloat16
 
     def build():
         out = {k: tensor(k, s, (k,)) for k, s in shapes.items() if k != "layers"}
+
+        def one(k, s, i):
+            t = tensor(k, s[1:], ("layers", k), i * int(np.prod(s[1:])))
+            return layers.Transposed(t.T) if k in layers.PROJECTIONS else t
+
+        lay = shapes["layers"]
         out["layers"] = tuple(
-            {k: tensor(k, s[1:], ("layers", k), i * int(np.prod(s[1:])))
-             for k, s in shapes["layers"].items()}
-            for i in range(cfg.num_layers)
-        )  # fmt: skip
+            {k: one(k, s, i) for k, s in lay.items()} for i in range(cfg.num_layers)
+        )
         return out
 
     return jax.jit(build, out_shardings=shardings)()

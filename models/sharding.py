@@ -84,7 +84,8 @@ def param_specs(cfg: ModelConfig, ax: MeshAxes = AXES, per_layer: bool = False) 
     """PartitionSpecs with the tree of ``CausalLM.params()`` (the default layout above).
 
     ``per_layer``: the tree of ``layers.unstack_layers`` (a tuple of L per-layer dicts),
-    each layer split the same way, without the leading layer axis.
+    each layer split the same way, without the leading layer axis, projections
+    ``layers.Transposed`` with their specs reversed.
     """
     shapes = layers.param_shapes(cfg)
     m = ax.model
@@ -100,7 +101,9 @@ def param_specs(cfg: ModelConfig, ax: MeshAxes = AXES, per_layer: bool = False) 
 
     one = {k: lay(k) for k in shapes["layers"]}  # one layer's [in, out] / [out]
     out = {k: P() for k in shapes if k != "layers"}
-    if per_layer:
+    if per_layer:  # projections layers.Transposed: [out, in]
+        one = {k: layers.Transposed(P(*s[::-1])) if k in layers.PROJECTIONS else s
+               for k, s in one.items()}  # fmt: skip
         out["layers"] = tuple(dict(one) for _ in range(cfg.num_layers))
     else:
         out["layers"] = {k: P(None, *s) if s else P() for k, s in one.items()}  # [L, ...]

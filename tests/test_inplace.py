@@ -90,7 +90,8 @@ def test_decode_step_reads_weights_in_place(method):
         found[per_layer] = hc.whole_cache_copies(step.compile().as_text(),
                                                  hc.weight_shapes(params))  # fmt: skip
     lay = layers.param_shapes(CFG, per_layer=True)["layers"][0]
-    matrices = sum(4 * int(np.prod(s)) for s in lay.values() if len(s) == 2)  # float32
+    dims = [s.w if isinstance(s, layers.Transposed) else s for s in lay.values()]
+    matrices = sum(4 * int(np.prod(s)) for s in dims if len(s) == 2)  # float32
     assert sum(i.nbytes for i in found[False]) >= CFG.num_layers * matrices  # the old layout
     assert not found[True], hc.format_copies(found[True])
 
