@@ -1,9 +1,10 @@
 """Sharded decoding on several GPUs against one (issue #10).
 
 Llama-3.1-8B-shaped pseudo-random bf16 weights, the ``bf16`` and OScaR INT2 caches, the
-mesh support of ``models.generate`` (axes data / model / sequence, ``models.sharding``;
-the sharded attention is the XLA math per shard, so the one-GPU runs here use
-``implementation="xla"`` too; the Pallas one-GPU numbers are bench_e2e.py's).
+mesh support of ``models.generate`` (axes data / model / sequence, ``models.sharding``).
+``--impl`` (default xla) is the decode attention of every run, sharded (the per-shard
+partial of ``sharded_decode_attention``) and one-GPU alike; ``--caches oscar2:pallas``
+sets it per cache (the unit names then carry it: ``seq128k/oscar2:pallas/seq``).
 N = all visible devices (``--devices``). Meshes: ``seq`` (1, 1, N), ``model`` (1, N, 1),
 ``data`` (N, 1, 1), ``1gpu`` (no mesh, device 0). Workloads (``--workloads``, in order;
 ``--budget-s`` skips the rest):
@@ -85,7 +86,7 @@ class Bench:
         self.dev0 = self.devs[0]
         self.sizes = TINY if args.tiny else FULL
         self.cfg = ec.model_config("llama31_8b", args.tiny)
-        self.caches = ec.parse_caches(args.caches, "xla")
+        self.caches = ec.parse_caches(args.caches, args.impl)
         self.dtype = jnp.dtype(args.dtype)
         self._params: dict = {}
         self.programs: dict = {}
@@ -120,14 +121,14 @@ class Bench:
     # -- correctness -------------------------------------------------------------------
     def program(self, spec, layout, batch, ctx, params):
         """The compiled decode loop of (cache, layout, batch, context): one compile each."""
-        key = (spec.name, layout, batch, ctx)
+        key = (spec.label, layout, batch, ctx)
         if key in self.programs:
             compiled, info = self.programs[key]
             return compiled, dict(info, compile_s=0.0, lower_s=0.0, reused=True)
         mesh, rows = self.shardings(layout, batch)
-        st = ec.static(self.cfg, spec.kv, ctx, "xla", mesh=mesh, dtype=self.dtype)
+        st = ec.static(self.cfg, spec.kv, ctx, spec.impl, mesh=mesh, dtype=self.dtype)
         if mesh is not None:
-            ec.gen._check_mesh(self.cfg, spec.kv, mesh, st.axes, batch, ctx, "xla")
+            ec.gen._check_mesh(self.cfg, spec.kv, mesh, st.axes, batch, ctx, spec.impl)
         cabs = ef.abstract_caches(
             self.cfg, spec.kv, batch, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
         )
@@ -190,9 +191,9 @@ class Bench:
         out = {}
         for where in ("1gpu", layout):
             mesh, rows = self.shardings(where, b)
-            st = ec.static(cfg, spec.kv, max_len, "xla", mesh=mesh, dtype=self.dtype)
+            st = ec.static(cfg, spec.kv, max_len, spec.impl, mesh=mesh, dtype=self.dtype)
             if mesh is not None:
-                ec.gen._check_mesh(cfg, spec.kv, mesh, st.axes, b, max_len, "xla")
+                ec.gen._check_mesh(cfg, spec.kv, mesh, st.axes, b, max_len, spec.impl)
             params = self.params(where)
             fn = jax.jit(functools.partial(_check_prog, st, n))
             args = [jax.device_put(x, rows if x.ndim == 1 else
@@ -257,7 +258,7 @@ class Bench:
         finally:
             ef.delete(caches)
         return dict(res, mesh=str(tuple(mesh.shape.values())) if mesh else "1 device",
-                    batch=batch, context=ctx, filled_tokens=n_fill, cache=spec.name, impl="xla",
+                    batch=batch, context=ctx, filled_tokens=n_fill, cache=spec.name, impl=spec.impl,
                     tokens_per_s=batch / (res["ms_per_step"] * 1e-3), fill_s=fill_s,
                     cache_bytes_per_device=per_dev,
                     temp_over_cache=cinfo.get("temp_bytes", 0) / max(per_dev, 1),
@@ -359,28 +360,29 @@ class Bench:
 
     def units(self, w: str, c: ec.CacheSpec):
         a, r, part = self.a, self.r, functools.partial
+        name = c.name if c.impl == "xla" else c.label  # unit names: xla runs keep theirs
         if w == "check":
             layout = a.check_mesh if a.check_mesh != "auto" else "seq" if self.n < 4 else "hybrid"
             fn = self.check_unit if a.check_prefill == "real" else self.check_decode_unit
-            r.unit(f"check/{c.name}/{layout}", part(fn, c, layout))
+            r.unit(f"check/{name}/{layout}", part(fn, c, layout))
         elif w in ("seq128k", "seq512k"):
             b, ctx = self.sizes[w]
             steps, reps = (a.steps, a.repeats) if w == "seq128k" else (a.tp_steps, 1)
             for layout in ("seq", "1gpu"):
                 fn = part(self.decode_unit, c, layout, b, ctx, steps, reps, w == "seq512k")
-                compiled = (c.name, layout, b, ctx) in self.programs  # e.g. by the check
-                r.unit(f"{w}/{c.name}/{layout}", fn, grace_s=a.grace_s if compiled else 0.0)
+                compiled = (c.label, layout, b, ctx) in self.programs  # e.g. by the check
+                r.unit(f"{w}/{name}/{layout}", fn, grace_s=a.grace_s if compiled else 0.0)
         elif w == "maxctx":
-            r.unit(f"maxctx/{c.name}/{self.n}", part(self.maxctx_unit, c), grace_s=1e9)  # analytic
+            r.unit(f"maxctx/{name}/{self.n}", part(self.maxctx_unit, c), grace_s=1e9)  # analytic
         elif w == "tp48x4k":
             b, ctx = self.sizes[w]
             for layout in a.tp_meshes:
                 fn = part(self.decode_unit, c, layout, b, ctx, a.tp_steps, a.tp_repeats)
-                r.unit(f"{w}/{c.name}/{layout}", fn)
+                r.unit(f"{w}/{name}/{layout}", fn)
         elif w == "tpmax32k":
             for layout in a.tpmax_meshes:
                 fn = part(self.tpmax_unit, c, layout, self.sizes[w][1], a.tp_steps, a.tp_repeats)
-                r.unit(f"{w}/{c.name}/{layout}", fn)
+                r.unit(f"{w}/{name}/{layout}", fn)
 
 
 def _list(s: str) -> list[str]:
@@ -398,6 +400,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", type=_list, default=list(ORDER))
     ap.add_argument("--caches", default="bf16,oscar2")
+    ap.add_argument("--impl", default="xla", choices=("xla", "pallas"), help="decode attention")
     ap.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
     ap.add_argument("--check-mesh", default="auto", choices=("auto", "seq", "model", "data",
                                                              "hybrid"))  # fmt: skip
@@ -459,7 +462,7 @@ def parse_args(argv=None):
     for k, v in dflt.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    ec.parse_caches(a.caches, "xla")
+    ec.parse_caches(a.caches, a.impl)
     return a
 
 
@@ -476,7 +479,7 @@ def main(argv=None):
                 num_devices=len(devs), jax=jax.__version__,
                 date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), args=vars(a),
                 memory=ec.memory_stats(devs[0]),
-                nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
+                nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), impl=a.impl,
                 partitioner="shardy" if shardy else "gspmd")  # fmt: skip
     r = Runner(a.out, "sharded", a.budget_s, meta, sharded_summary, a.resume)
     r.log(f"jax {jax.__version__}: {len(devs)} x {devs[0].device_kind}")

@@ -285,11 +285,9 @@ def _check_mesh(mc: ModelConfig, kv, mesh, ax, batch: int, max_len: int, impleme
     """ValueError unless the model, batch and cache divide over the mesh (see models.sharding)."""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
-    if implementation != "xla":
-        raise ValueError(
-            f"implementation={implementation!r}: sharded decoding (mesh=...) runs the XLA "
-            "attention math per shard; use implementation='xla'"
-        )
+    if not isinstance(implementation, str):
+        raise ValueError(f"implementation={implementation!r} must be a str")
+    oj.attention.lookup_quantized_partial(implementation)  # "xla" or "pallas" per shard
     msh.check_model_mesh(mc, mesh, ax, batch=batch)
     msh.warn_known_crash(kv, mesh)
     shape = jax.eval_shape(lambda: oj.init_cache(
@@ -328,8 +326,9 @@ def generate(
     (default: the config's eos ids; ``()`` for none) end a row: it emits the stop
     token, then ``pad_token_id``. ``max_len`` is the cache capacity per row (default:
     prompt bucket + max_new_tokens). ``cache_dtype`` defaults to the model's dtype.
-    ``implementation`` picks ``oj.decode_attention``'s ("xla" or "pallas"),
-    ``encode_implementation`` the quantizer of ``oj.prefill`` / ``oj.append``.
+    ``implementation`` picks ``oj.decode_attention``'s ("xla" or "pallas"; with ``mesh``
+    the per-shard partial of ``sharded_decode_attention``), ``encode_implementation`` the
+    quantizer of ``oj.prefill`` / ``oj.append``.
     info [B] each: ``stop_reason`` (``STOP_*``: 0 ran to max_new_tokens, 1 stop token,
     2 cache full, 3 non-finite K/V or logits, 4 clipped length; the first reason wins),
     ``num_tokens`` (tokens before the pads: ``out[i, num_tokens[i]:]`` are all

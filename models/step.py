@@ -148,7 +148,7 @@ def _layer(st: Static, x, lp, c, pos, todo: ofl.Flush | None):
     if mesh is None:
         o = oj.decode_attention(q[:, 0], c, implementation=st.implementation)
     else:
-        o = osh.sharded_decode_attention(q[:, 0], c, mesh, ax=ax)
+        o = osh.sharded_decode_attention(q[:, 0], c, mesh, ax=ax, implementation=st.implementation)
     x = x + layers.dense(o.reshape(b, 1, mc.q_size).astype(x.dtype), lp["wo"], lp.get("bo"))
     x = msh.constrain(x, mesh, x_spec)
     x = x + layers.mlp(lp, layers.rms_norm(x, lp["mlp_norm"], mc.rms_norm_eps))

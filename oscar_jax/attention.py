@@ -136,6 +136,26 @@ def register_decode_attention(name: str, fn: DecodeFn) -> None:
     _DECODERS[name] = fn
 
 
+# The quantized part of one sequence shard, for ``oscar_jax.sharding``: "xla" is
+# ``quantized_partial``; ``pallas_kernels`` registers its split-K kernel as "pallas".
+_PARTIALS: dict[str, Callable] = {"xla": quantized_partial}
+
+
+def register_quantized_partial(name: str, fn: Callable) -> None:
+    """Register ``fn(q_rot, cache, scale, *, offset=0, **options) -> (acc, m, l)`` under ``name``.
+
+    q_rot [b, h, g, d] float32 (rotated, unscaled); ``cache`` holds the quantized tokens at
+    global positions offset.. (a sequence shard), ``cache.lengths`` the global lengths;
+    acc [b, h, g, d] in the rotated basis, m / l [b, h, g] as ``quantized_partial``'s.
+    """
+    _PARTIALS[name] = fn
+
+
+def lookup_quantized_partial(implementation: str) -> Callable:
+    """The registered quantized partial (ValueError naming the value if unknown)."""
+    return codec.lookup(_PARTIALS, implementation, "sharded decode_attention")
+
+
 def decode_attention(
     q: Float[Array, "B Hq D"],
     cache: KVCache,

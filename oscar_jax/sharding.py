@@ -13,8 +13,12 @@ Default layout (``MeshAxes``; every axis must exist in the mesh, size 1 is fine)
 Decode attention runs under ``shard_map``: each device attends over its own
 shard and returns (acc, max, sum); the partials are merged exactly with a
 ``pmax`` and two ``psum`` over the sequence axis, then the replicated ring is
-folded in. Appends write only on the shard that owns the position, so nothing
-is gathered (``tests/test_sharding.py`` checks the compiled HLO).
+folded in. The quantized shard's partial is the XLA reference math
+(``implementation="xla"``) or the Pallas INT2/INT4 split-K kernel ("pallas",
+registered by ``pallas_kernels``, told the shard's own token count); the ring
+(and the whole ``bf16`` cache, split along slots) always uses the XLA math.
+Appends write only on the shard that owns the position, so nothing is gathered
+(``tests/test_sharding.py`` checks the compiled HLO).
 """
 
 from __future__ import annotations
@@ -147,17 +151,29 @@ def sharded_decode_attention(
     *,
     softmax_scale: float | None = None,
     ax: MeshAxes = AXES,
+    implementation: str = "xla",
+    **options,
 ) -> Float[Array, "B Hq D"]:
-    """``decode_attention`` (XLA reference math) over a cache sharded in the default layout."""
+    """``decode_attention`` over a cache sharded in the default layout.
+
+    ``implementation``: the quantized shards' partial, "xla" (reference math) or
+    "pallas" (the INT kernel; ``options``: its ``DecodeConfig`` fields). A ``bf16``
+    cache runs the XLA math for either.
+    """
     att.check_query(q, cache)
     check_mesh(cache, mesh, ax)
+    if not isinstance(implementation, str):
+        raise ValueError(f"implementation={implementation!r} must be a str")
+    partial = att.lookup_quantized_partial(implementation)
+    if options and implementation == "xla":
+        raise ValueError(f"options {sorted(options)} need implementation='pallas', not 'xla'")
     cfg = cache.cfg
 
     def local(q, c):
         qg, q_rot, scale = att.grouped_query(q, c, softmax_scale)
         idx = jax.lax.axis_index(ax.sequence)
         if cfg.quantized:
-            part = att.quantized_partial(q_rot, c, scale, offset=idx * c.quant_capacity)
+            part = partial(q_rot, c, scale, offset=idx * c.quant_capacity, **options)
             acc, m, denom = _merge_over(part, ax.sequence)
             parts = [(att.unrotate_values(acc, cfg), m, denom), att.residual_partial(qg, c, scale)]
         else:

@@ -23,18 +23,20 @@ basis); XLA merges the splits, un-rotating the quantized splits' weighted sum on
 (An in-kernel [D, D] rotation and f32 FMA dots in the ring cost 2.2 KB of register
 spills per thread in the whole kernel: ``ptxas -v`` of the lowered IR.) With
 ``fuse_ring=False`` the ring goes
-through ``oscar_jax.attention.residual_partial`` instead. The kernel assumes an
-unsharded cache (ring slots ``cache.slots``, quantized positions from 0).
+through ``oscar_jax.attention.residual_partial`` instead. ``decode_attention_pallas``
+assumes an unsharded cache (ring slots ``cache.slots``, quantized positions from 0);
+``quantized_partial_pallas`` serves one sequence shard of ``oscar_jax.sharding`` (its own
+token count as ``nq``, no ring).
 
 Heuristic (``choose_config``): ``T = 64`` tokens per block for the INT kernel (a
 multiple of G; 64 measured faster than 32 and 128 at 1 x 128K on the H200, see
 benchmarks/results/decode_notes.md) and 128 for the BF16 kernel; splits so that
 ``B * H * splits`` is about one wave, ``4 * 132`` programs, for the INT kernel (4
 resident per H200 SM at 255 registers; 32 blocks per split beat 16 and 8 at 1 x 128K
-and 48 x 4K) and ``8 * 132`` for the BF16 kernel, at least 4 and at most 32 blocks per
-split (57 at 8 x 32K left a near-empty second wave: 0.280 against 0.241 ms); for the
-INT kernel 2 warps
-(0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3
+and 48 x 4K) and ``8 * 132`` for the BF16 kernel, at most 32 blocks per split (57 at
+8 x 32K left a near-empty second wave: 0.280 against 0.241 ms) and at least 1 (INT:
+1 x 4K ran 0.0298 ms at 1 block per split, 0.0351 at 4) or 4 (BF16); for the INT
+kernel 2 warps (0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3
 pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
 The residual ring is one extra split of the same launch (``fuse_ring``). Every field
 can be overridden by keyword.
@@ -52,7 +54,12 @@ from jax.experimental import pallas as pl
 
 import oscar_jax
 from oscar_jax import hadamard
-from oscar_jax.attention import check_query, merge_partials, residual_partial
+from oscar_jax.attention import (
+    check_query,
+    merge_partials,
+    register_quantized_partial,
+    residual_partial,
+)
 from pallas_kernels.decode_int import GP, int_kernel
 
 TARGET_PROGRAMS = 8 * 132  # BF16 kernel: about 8 programs per H200 SM
@@ -93,9 +100,10 @@ class DecodeConfig:
       Triton pipelines as cp.async) or "auto" (default: "pair" where it applies, i.e.
       16-bit scales and an even number of value groups per head, else "col"). On the
       H200 "pair" took 1 x 128K from 0.188 to 0.132 ms and 8 x 32K from 0.331 to
-      0.236 ms (2 warps, 2026-11-30), with 255 registers and no spills. "tile" (opt-in,
-      not yet timed) reads the G tokens' [G, D/Gv] parameters as one contiguous tile and
-      needs no per-call re-pack (the pairs' bitcast is a copy of both arrays in XLA).
+      0.236 ms (2 warps, 2026-11-30), with 255 registers and no spills. "tile" (opt-in)
+      reads the G tokens' [G, D/Gv] parameters as one contiguous tile and needs no
+      per-call re-pack (the pairs' bitcast is a copy of both arrays in XLA), yet ran 3-8%
+      slower than "pair" at every shape timed on the H200 (2026-11-30, session 8).
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -151,7 +159,8 @@ def choose_config(
     nblk = max(1, -(-tokens // t))
     target = TARGET_PROGRAMS_INT if group > 1 else TARGET_PROGRAMS
     want_splits = max(1, -(-target // (batch * heads)))
-    bps = max(min(4, nblk), min(MAX_BLOCKS_PER_SPLIT, -(-nblk // want_splits)))
+    floor = 1 if group > 1 else 4  # INT at 1 x 4K: 1 block per split 0.0298 ms, 4: 0.0351
+    bps = max(min(floor, nblk), min(MAX_BLOCKS_PER_SPLIT, -(-nblk // want_splits)))
     kw = dict(
         block_tokens=t,
         blocks_per_split=bps,
@@ -169,10 +178,12 @@ def ring_block(slots: int) -> int:
     return min(64, slots & -slots)
 
 
-def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
+def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None, *, nq=None):
     """Per-split (acc [B,H,NS,GP,D], m, l [B,H,NS,GP]) in the rotated basis.
 
     With ``q_plain`` ([B,H,GP,D] f32, scaled) the residual ring is the extra last split.
+    ``nq`` [B]: quantized tokens to read per row (a sequence shard's own count; default
+    ``cache.num_quantized()``).
     """
     kcfg = cache.cfg
     b, h, lq, db = cache.k_codes.shape
@@ -194,7 +205,12 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None):
     bps = min(cfg.blocks_per_split, lq // t)
     ns = -(-(lq // t) // bps)
     hn = cache.k_norm.shape[1]
-    nq = cache.num_quantized().astype(jnp.int32)
+    if nq is None:
+        nq = cache.num_quantized().astype(jnp.int32)
+    elif q_plain is not None or jnp.shape(nq) != (b,):
+        raise ValueError(f"nq.shape={jnp.shape(nq)} must be ({b},), without the fused ring")
+    else:
+        nq = jnp.asarray(nq, jnp.int32)
     kc = cache.k_codes.reshape(b, h, lq // g, g, db)
     v_scale, v_zero, vpair, nvp = cache.v_scale, cache.v_zero, None, d // gv
     pdt = jnp.dtype(kcfg.scale_dtype)
@@ -361,4 +377,29 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     return merge_partials(parts).reshape(b, hq, d).astype(q.dtype)
 
 
+def quantized_partial_pallas(q_rot, cache, scale, *, offset=0, **options):
+    """``oscar_jax.attention.quantized_partial`` by the INT kernel, for a sequence shard.
+
+    q_rot [b, h, g, d] f32 (unscaled) -> (acc [b, h, g, d] rotated basis, m, l [b, h, g]).
+    The shard holds global quantized positions offset.. (``cache.lengths`` are global): it
+    reads clip(nq - offset, 0, capacity) tokens. No fused ring (the caller adds the ring).
+    """
+    kcfg = cache.cfg
+    b, h, g, d = q_rot.shape
+    if d not in (64, 128, 256):
+        raise ValueError(f"head_dim={d} must be 64, 128 or 256 for the pallas decode kernel")
+    if kcfg.bits not in (2, 4):  # (a GQA ratio g > GP: pad_query raises)
+        raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
+    lq = cache.quant_capacity
+    cfg = choose_config(b, h, lq, kcfg.group_size, **options)
+    if lq == 0:
+        z = jnp.zeros((b, h, g), jnp.float32)
+        return jnp.zeros_like(q_rot), z - jnp.inf, z
+    nq = jnp.clip(cache.num_quantized().astype(jnp.int32) - offset, 0, lq)
+    parts = quantized_partials(pad_query(q_rot * scale, jnp.float32), cache, cfg, nq=nq)
+    acc, m, lsum = merge_splits(*parts)
+    return acc[:, :, :g], m[:, :, :g], lsum[:, :, :g]
+
+
 oscar_jax.register_decode_attention("pallas", decode_attention_pallas)
+register_quantized_partial("pallas", quantized_partial_pallas)
