@@ -119,12 +119,24 @@ def _fill(st: Static, k, v, lengths):
     return oj.prefill(c, k, v, lengths, implementation=st.encode_implementation)
 
 
+def _fused_write(st: Static, c) -> bool:
+    """Whether a layer's cache update is one launch (``pallas_kernels.cache_write``): opt-in
+    with ``encode_implementation="pallas"``, unsharded, early flushes, a cache it covers."""
+    if st.encode_implementation != "pallas" or st.mesh is not None or not ofl.can_flush_early(c):
+        return False
+    from pallas_kernels import cache_write  # the Pallas path only (models -> pallas_kernels)
+
+    return cache_write.unsupported_reason(c) is None
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _layer(st: Static, x, lp, c, pos, todo: ofl.Flush | None):
     """One decoder layer of a step: x [B, 1, Hd], layer params, its cache -> (x, cache).
 
     Jitted so that the L unrolled calls trace (and lower) once; XLA inlines them.
-    ``todo``: the cache's flush, encoded early (``oscar_jax.flush``), or None.
+    ``todo``: the cache's flush, encoded early (``oscar_jax.flush``), or None. With
+    ``_fused_write`` the layer's cache writes are one Pallas launch (``prepare_flushes``
+    then leaves the flushed groups in the ring for it to clear).
     """
     mc, mesh, ax = st.model, st.mesh, st.axes
     b = x.shape[0]
@@ -133,16 +145,21 @@ def _layer(st: Static, x, lp, c, pos, todo: ofl.Flush | None):
     hn = layers.rms_norm(x, lp["attn_norm"], mc.rms_norm_eps)
     q, k, v = layers.qkv(mc, lp, hn, pos[:, None])
     early = todo is not None
-    if mesh is None and early:
+    fused = early and _fused_write(st, c)
+    if fused:  # ring clear + append + group store in one launch (bit-identical)
+        from pallas_kernels import cache_write
+
+        c = cache_write.fused_update(c, k[:, 0], v[:, 0], todo)
+    elif mesh is None and early:
         c = append_to_ring(c, k[:, 0], v[:, 0])[0]
     elif mesh is None:
         c = oj.append(c, k[:, 0], v[:, 0], implementation=st.encode_implementation)
     else:
         c = osh.sharded_append(c, k[:, 0], v[:, 0], mesh, ax=ax, flush=not early,
                                implementation=st.encode_implementation)  # fmt: skip
-    if early:  # store the groups now; the mask depends on this layer's flags (always >= 0):
-        # then XLA cannot hoist the writes, nor the attention's reads (e.g. the XLA path's
-        # dequantized keys) of every layer to the start of the step, and hold them all
+    if early and not fused:  # store the groups now; the mask depends on this layer's flags
+        # (always >= 0): then XLA cannot hoist the writes, nor the attention's reads (e.g. the
+        # XLA path's dequantized keys) of every layer to the start of the step, and hold them all
         todo = todo._replace(flush=todo.flush & (c.flags >= 0))
         c = ofl.write_flush(c, todo) if mesh is None else osh.sharded_write_flush(c, todo, mesh, ax)
     if mesh is None:
@@ -165,7 +182,8 @@ def _decode(st: Static, params, caches, tok, pos):
     caches = msh.constrain_caches(tuple(caches), mesh, ax)
     todo = (None,) * len(caches)
     if ofl.can_flush_early(caches[0]):  # the step's flushes: one batched encode, first
-        caches, todo = ofl.prepare_flushes(caches, implementation=st.encode_implementation)
+        caches, todo = ofl.prepare_flushes(caches, implementation=st.encode_implementation,
+                                           clear=not _fused_write(st, caches[0]))  # fmt: skip
     x = layers.embed(params, tok[:, None])  # [B, 1, Hd]
     out = []
     for i, c in enumerate(caches):

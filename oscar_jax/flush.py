@@ -19,6 +19,7 @@ Every write is an in-place update of the slots and groups that change.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array
 
 from oscar_jax.cache import (
+    FLAG_NONFINITE,
     KVCache,
     clear_groups,
     encode_groups,
@@ -70,11 +72,14 @@ def encode_due(caches, implementation: str = "xla", **options):
     return due, groups, ek, ev, bad
 
 
-def prepare_flushes(caches, implementation: str = "xla", **options):
+def prepare_flushes(caches, implementation: str = "xla", *, clear: bool = True, **options):
     """Encode the groups due in all caches (one batch) and clear their ring slots.
 
     -> (caches, one ``Flush`` per cache for ``write_flush`` after its ``append_to_ring``).
     The lengths stay until that ring append. ValueError unless all ``can_flush_early``.
+    ``clear=False`` leaves the groups in their ring slots (the encoding overflows are
+    still flagged) for a caller that clears them itself, per layer
+    (``pallas_kernels.cache_write.fused_update``).
     """
     caches = tuple(caches)
     if not caches or not all(can_flush_early(c) for c in caches):
@@ -83,7 +88,12 @@ def prepare_flushes(caches, implementation: str = "xla", **options):
     n, out, todo = len(caches), [], []
     for j, (c, (nq, fl), g) in enumerate(zip(caches, due, groups, strict=True)):
         ekj, evj = jax.tree_util.tree_map(lambda x, j=j: split_rows(x, n, j), (ek, ev))
-        out.append(clear_groups(c, nq, fl, split_rows(bad, n, j), *g))
+        bad_j = split_rows(bad, n, j)
+        if clear:
+            out.append(clear_groups(c, nq, fl, bad_j, *g))
+        else:  # the flags of clear_groups, without its ring writes
+            nonfinite = jnp.where(bad_j, FLAG_NONFINITE, 0).astype(jnp.int32)
+            out.append(dataclasses.replace(c, flags=c.flags | nonfinite))
         todo.append(Flush(ekj, evj, nq, fl))
     return tuple(out), tuple(todo)
 
