@@ -285,8 +285,6 @@ def _check_mesh(mc: ModelConfig, kv, mesh, ax, batch: int, max_len: int, impleme
     """ValueError unless the model, batch and cache divide over the mesh (see models.sharding)."""
     if not isinstance(mesh, Mesh):
         raise ValueError(f"mesh={mesh!r} must be a jax.sharding.Mesh")
-    if not isinstance(implementation, str):
-        raise ValueError(f"implementation={implementation!r} must be a str")
     oj.attention.lookup_quantized_partial(implementation)  # "xla" or "pallas" per shard
     msh.check_model_mesh(mc, mesh, ax, batch=batch)
     msh.warn_known_crash(kv, mesh)

@@ -381,18 +381,24 @@ def flush_due(cache: KVCache) -> tuple[Array, Array]:
     return nq, quantized_count(n_new, cache.cfg) > nq
 
 
-def append_to_ring(cache: KVCache, k_t, v_t, ring_offset=0):
-    """Write one token per row into the ring; return (cache, nq before, rows due to flush)."""
+def ring_append_plan(cache: KVCache, k_t, v_t):
+    """One token's ring append, without the write: (ok [B]: the row has room, its ring
+    slot [B], the new lengths [B] and flags [B])."""
     n = cache.lengths
     ok = n < cache.max_len
     flags = cache.flags | jnp.where(ok, 0, FLAG_OVERFLOW) | _nonfinite_rows(k_t, v_t)
-    slot = _rem(n, cache.slots_total)
+    return ok, _rem(n, cache.slots_total), n + ok.astype(jnp.int32), flags
+
+
+def append_to_ring(cache: KVCache, k_t, v_t, ring_offset=0):
+    """Write one token per row into the ring; return (cache, nq before, rows due to flush)."""
+    ok, slot, lengths, flags = ring_append_plan(cache, k_t, v_t)
     nq_old, flush = flush_due(cache)
     out = dataclasses.replace(
         cache,
         k_res=_set_rows(cache.k_res, k_t[:, :, None], slot, ok, ring_offset),
         v_res=_set_rows(cache.v_res, v_t[:, :, None], slot, ok, ring_offset),
-        lengths=n + ok.astype(jnp.int32),
+        lengths=lengths,
         flags=flags,
     )
     return out, nq_old, flush

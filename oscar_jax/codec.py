@@ -129,6 +129,8 @@ def register_encoder(name: str, fn: Encoder) -> None:
 
 def lookup(table: dict, name: str, what: str):
     """Find an implementation, importing its plugin package (e.g. pallas_kernels) on first use."""
+    if not isinstance(name, str):
+        raise ValueError(f"implementation={name!r} must be a str, one of {sorted(table)}")
     if name not in table and name in _PLUGINS:
         importlib.import_module(_PLUGINS[name])  # registers itself on import
     if name not in table:

@@ -162,8 +162,6 @@ def sharded_decode_attention(
     """
     att.check_query(q, cache)
     check_mesh(cache, mesh, ax)
-    if not isinstance(implementation, str):
-        raise ValueError(f"implementation={implementation!r} must be a str")
     partial = att.lookup_quantized_partial(implementation)
     if options and implementation == "xla":
         raise ValueError(f"options {sorted(options)} need implementation='pallas', not 'xla'")

@@ -32,15 +32,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 import oscar_jax
-from oscar_jax.cache import FLAG_OVERFLOW, KVCache, _nonfinite_rows, _rem
+from oscar_jax.cache import KVCache, _rem, ring_append_plan
 from oscar_jax.flush import Flush, can_flush_early
+from pallas_kernels.decode import _pow2
 
 CACHE_FIELDS = ("k_res", "v_res", "k_codes", "k_scale", "k_zero", "k_norm",
                 "v_codes", "v_scale", "v_zero")  # fmt: skip
-
-
-def _pow2(n: int) -> bool:
-    return n >= 1 and not n & (n - 1)
 
 
 def unsupported_reason(cache) -> str | None:
@@ -155,13 +152,11 @@ def fused_update(
     b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
     g, s, lq = cache.cfg.group_size, cache.slots, cache.quant_capacity
     db, nv, hn = cache.k_codes.shape[3], cache.v_scale.shape[3], cache.k_norm.shape[1]
-    n = cache.lengths
-    ok = n < cache.max_len
-    flags = cache.flags | jnp.where(ok, 0, FLAG_OVERFLOW) | _nonfinite_rows(k_t, v_t)
+    ok, ring_slot, lengths, flags = ring_append_plan(cache, k_t, v_t)
     nq, fl = todo.nq.astype(jnp.int32), todo.flush
     in_range = (nq >= 0) & (nq + g <= lq)  # _set_rows drops a run not wholly in the array
     none = jnp.int32(-1)
-    slot = jnp.where(ok, _rem(n, cache.slots_total), none)
+    slot = jnp.where(ok, ring_slot, none)
     clr = jnp.where(fl, _rem(nq, cache.slots_total), none)  # clear_groups' zeroed slots
     at = jnp.where(fl & in_range, nq, none)
 
@@ -207,6 +202,6 @@ def fused_update(
     return dataclasses.replace(
         cache,
         **dict(zip(CACHE_FIELDS, outs, strict=True)),
-        lengths=n + ok.astype(jnp.int32),
+        lengths=lengths,
         flags=flags,
     )
