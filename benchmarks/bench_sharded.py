@@ -39,6 +39,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the repo root and benchmarks/
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import time  # noqa: E402
 
@@ -76,6 +77,37 @@ def _check_prog(st, n, params, ids, lengths, forced, use_forced):
 
     _, (toks, lg) = jax.lax.scan(step, (caches, logits), jnp.arange(n, dtype=jnp.int32))
     return toks.T, jnp.swapaxes(lg, 0, 1)
+
+
+def aligned_impl(impl: str, bps: int) -> str:
+    """Register ``impl`` ("pallas") with ``blocks_per_split=bps`` under its own name.
+
+    Every split of the one-GPU kernel then covers the same tokens as a split of a shard
+    (shard capacities are multiples of the split), so sharded and one-GPU runs differ
+    only in the float32 order of the split merge: the greedy check tests the sharding,
+    not the kernel's 16-bit rounding against a different running max.
+    """
+    if impl != "pallas":
+        raise ValueError(f"impl={impl!r} must be 'pallas' for aligned splits")
+    import oscar_jax as oj
+    from pallas_kernels import decode as pd
+
+    name = f"pallas-bps{bps}"
+
+    def partial(q_rot, cache, scale, *, offset=0, **options):
+        lq, g = cache.quant_capacity, cache.cfg.group_size
+        cfg = pd.choose_config(1, 1, lq, g, blocks_per_split=bps, **options)
+        if lq % (cfg.block_tokens * bps):
+            raise ValueError(f"shard capacity {lq} must be a multiple of "
+                             f"{bps} x {cfg.block_tokens} tokens for aligned splits")  # fmt: skip
+        return pd.quantized_partial_pallas(q_rot, cache, scale, offset=offset,
+                                           blocks_per_split=bps, **options)  # fmt: skip
+
+    oj.register_decode_attention(
+        name, functools.partial(pd.decode_attention_pallas, blocks_per_split=bps)
+    )
+    oj.attention.register_quantized_partial(name, partial)
+    return name
 
 
 class Bench:
@@ -141,6 +173,7 @@ class Bench:
         token by token into an empty cache of the seq128k shape (same math as a prefill:
         appends and prefill give bit-identical caches), then ``check_steps`` greedy steps."""
         a, cfg = self.a, self.cfg
+        spec = self.check_spec(spec)
         _, ctx = self.sizes["seq128k"]
         k = a.check_steps
         p_len = min(a.check_prompt, ec.HISTORY - k)  # > R = 128: the prompt fills INT2 groups
@@ -172,7 +205,7 @@ class Bench:
         gap = top1 - top2
         return dict(
             mode="decode", mesh=str(tuple(self.mesh(layout).shape.values())), steps=k, batch=1,
-            prompt=p_len, max_len=ctx, mismatches=int(mism.sum()),
+            prompt=p_len, max_len=ctx, impl=spec.impl, mismatches=int(mism.sum()),
             first_mismatch=[int(np.argmax(mism)) if mism.any() else None],
             tokens_equal=bool((tokn == tok1).all()), logits_max_abs_diff=float(diff.max()),
             logits_diff_kind="top-1 logit", logits_max_abs=float(np.abs(top1).max()),
@@ -180,8 +213,15 @@ class Bench:
             tokens_1gpu=tok1.tolist(), compile_s=compile_s,
         )  # fmt: skip
 
+    def check_spec(self, spec: ec.CacheSpec) -> ec.CacheSpec:
+        """The check's cache spec: a Pallas kernel with aligned splits (``--check-bps``)."""
+        if spec.impl == "xla" or not spec.quantized or not self.a.check_bps:
+            return spec
+        return dataclasses.replace(spec, impl=aligned_impl(spec.impl, self.a.check_bps))
+
     def check_unit(self, spec: ec.CacheSpec, layout: str):
         a, cfg = self.a, self.cfg
+        spec = self.check_spec(spec)
         b, t = self.sizes["check"]
         n = a.check_steps
         max_len = -(-(ec.gen.bucket_length(t) + n + 128) // (256 * self.n)) * (256 * self.n)
@@ -217,7 +257,7 @@ class Bench:
         mism = sh["forced_argmax"] != one["toks"]
         return dict(
             mesh=str(tuple(self.mesh(layout).shape.values())), steps=n, batch=b, prompt=t,
-            max_len=max_len, mismatches=int(mism.sum()),
+            max_len=max_len, impl=spec.impl, mismatches=int(mism.sum()),
             first_mismatch=[int(np.argmax(r)) if r.any() else None for r in mism],
             tokens_equal=bool((sh["toks"] == one["toks"]).all()),
             logits_max_abs_diff=float(diff.max()),
@@ -310,9 +350,39 @@ class Bench:
             ctx = int((limit - weights - margin) / (per_tok / n * (1 + ratio)))
             out[str(n)] = dict(analytic_context=ctx // (256 * n) * (256 * n), temp_ratio=ratio,
                                bytes_per_token_per_device=per_tok / n)  # fmt: skip
-        return dict(analytic_context=out[str(self.n)]["analytic_context"], per_devices=out,
-                    weights_bytes_per_device=weights, bytes_limit=limit, margin=margin,
-                    verified="not run")  # fmt: skip
+        res = dict(analytic_context=out[str(self.n)]["analytic_context"], per_devices=out,
+                   weights_bytes_per_device=weights, bytes_limit=limit, margin=margin)  # fmt: skip
+        layouts = {"none": (), "seq": ("seq",), "all": ("seq", "1gpu")}[a.maxctx_verify]
+        if not ms["bytes_limit"]:
+            layouts = ()  # no memory statistics (CPU): nothing to verify against
+        res["verified"] = {
+            lay: self.verify_context(spec, lay, out[str(1 if lay == "1gpu" else self.n)])
+            for lay in layouts
+        } or "not run"
+        return res
+
+    def verify_context(self, spec, layout, est):
+        """Decode at the analytic largest context; less after each failure (3 tries): 5%, or
+        what the compiled program's memory analysis says is missing."""
+        mult = 256 * (1 if layout == "1gpu" else self.n)
+        ctx, tries = est["analytic_context"], []
+        while ctx >= mult and len(tries) < 3:
+            try:
+                res = self.decode_unit(spec, layout, 1, ctx, self.a.maxctx_steps, 1, exclusive=True)
+            except Exception as e:  # noqa: BLE001
+                if not ec.is_oom(e):
+                    raise
+                res = dict(status="error: " + str(e)[:200])
+            if res.get("status", "ok") == "ok":
+                keep = ("ms_per_step", "tokens_per_s", "cache_bytes_per_device", "filled_tokens")
+                return dict(context=ctx, tries=tries, **{k: res[k] for k in keep if k in res})
+            tries.append(dict(context=ctx, status=res["status"]))
+            shrink = 0.95
+            if res.get("need_bytes"):  # the compiled program's own count: scale to fit
+                free = res["bytes_limit"] - res["bytes_in_use"]
+                shrink = min(shrink, 0.99 * free / res["need_bytes"])
+            ctx = int(ctx * shrink) // mult * mult
+        return dict(context=None, tries=tries)
 
     def tpmax_unit(self, spec, layout, ctx, steps, repeats):
         a, cfg = self.a, self.cfg
@@ -413,6 +483,16 @@ def parse_args(argv=None):
         help="decode: the prompt token by token through the seq128k programs (no "
         "extra compile); real: generate's prefill + scan (2 compiles a cache)",
     )
+    ap.add_argument(
+        "--maxctx-verify", default="seq", choices=("none", "seq", "all"),
+        help="maxctx: decode at the analytic context on these meshes (all: also one GPU)",
+    )  # fmt: skip
+    ap.add_argument("--maxctx-steps", type=_steps, default=(1, 3), help="maxctx verify steps")
+    ap.add_argument(
+        "--check-bps", type=int, default=1,
+        help="check, Pallas caches: blocks per split of both runs (0: the heuristic); 1 aligns "
+        "the splits with the shard boundaries, so the runs differ only by float32 merge order",
+    )  # fmt: skip
     ap.add_argument("--tp-meshes", type=_list, default=["1gpu", "data", "model"])
     ap.add_argument("--tpmax-meshes", type=_list, default=["model", "1gpu"])
     ap.add_argument("--fill", default="random", choices=("random", "zeros", "encode"))

@@ -219,6 +219,20 @@ def _skipped(units):
 
 
 # -- issue #10 ----------------------------------------------------------------------------
+def _verified(v) -> str:
+    """maxctx's verification per mesh: the context that decoded, its ms per step."""
+    if not isinstance(v, dict):
+        return str(v)
+    out = []
+    for lay, r in v.items():
+        if r.get("context"):
+            ms = r.get("ms_per_step")
+            out.append(f"{lay}: {r['context']:,} decoded" + (f" ({ms:.1f} ms/step)" if ms else ""))
+        else:
+            out.append(f"{lay}: none of {[t['context'] for t in r['tries']]} fit")
+    return "; ".join(out)
+
+
 def sharded_summary(data: dict):
     units, meta = data["units"], data["meta"]
     n = meta.get("num_devices")
@@ -245,38 +259,17 @@ def sharded_summary(data: dict):
                        for k, v in summary.items()]), ""]  # fmt: skip
     chk = [(k, u) for k, u in units.items() if k.startswith("check/") and u.get("status") == "ok"]
     if chk:
-        md += [
-            _table(
-                [
-                    "check",
-                    "mesh",
-                    "steps",
-                    "mismatches (teacher-forced)",
-                    "free-run equal",
-                    "logits max |diff|",
-                    "near ties",
-                ],
-                [
-                    [
-                        k,
-                        u["mesh"],
-                        u["steps"],
-                        u["mismatches"],
-                        u["tokens_equal"],
-                        _f(u["logits_max_abs_diff"], 3),
-                        u["near_ties"],
-                    ]
-                    for k, u in chk
-                ],
-            ),
-            "",
-        ]
+        head = ["check", "kernel", "mesh", "steps", "mismatches (teacher-forced)",
+                "free-run equal", "logits max |diff|", "near ties"]  # fmt: skip
+        md += [_table(head, [[k, u.get("impl", ""), u["mesh"], u["steps"], u["mismatches"],
+                              u["tokens_equal"], _f(u["logits_max_abs_diff"], 3), u["near_ties"]]
+                             for k, u in chk]), ""]  # fmt: skip
         summary["tokens_equal"] = all(u["tokens_equal"] for _, u in chk)
     mx = [(k, u) for k, u in units.items() if k.startswith("maxctx/") and u.get("status") == "ok"]
     if mx:
         md += [_table(["cache", "devices", "largest context (analytic)", "verified"],
                       [[k.split("/")[1], k.split("/")[2], f"{u['analytic_context']:,}",
-                        u.get("verified", "not run")] for k, u in mx]), ""]  # fmt: skip
+                        _verified(u.get("verified", "not run"))] for k, u in mx]), ""]  # fmt: skip
     md += _skipped(units)
     return summary, "\n".join(md) + "\n"
 

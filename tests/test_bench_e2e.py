@@ -127,6 +127,23 @@ def test_sharded_check_under_gspmd(tmp_path):
     assert data["meta"]["partitioner"] == "gspmd"
 
 
+def test_sharded_maxctx_verified(tmp_path):
+    """maxctx decodes at the largest context it computes, shrinking to what the compiled
+    program's memory analysis allows (a pretend 0.1 GiB device)."""
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    proc = _start("bench_sharded.py", tmp_path, ["--devices", "2", "--workloads", "maxctx",
+                                                 "--caches", "oscar2", "--mem-limit-gib", "0.1",
+                                                 "--margin-gib", "0"],
+                  {"XLA_FLAGS": flags.strip()})  # fmt: skip
+    data, md, _ = _finish(proc, tmp_path, "sharded")
+    u = data["units"]["maxctx/oscar2/2"]
+    v = u["verified"]["seq"]
+    assert u["status"] == "ok" and 0 < v["context"] <= u["analytic_context"]
+    assert v["context"] % 512 == 0 and v["ms_per_step"] > 0
+    assert all(t["status"].startswith("does not fit") for t in v["tries"])
+    assert f"seq: {v['context']:,} decoded" in md
+
+
 def test_sharded_timings_and_capacity(runs):
     data, md, _, _ = runs["sharded"]
     units = data["units"]

@@ -138,3 +138,29 @@ def test_generate_with_mesh_and_pallas(monkeypatch):
     assert traced
     with pytest.raises(ValueError, match="implementation='nope'"):
         models.generate(tiny_model(), ids, 2, implementation="nope", mesh=mesh, **kw)
+
+
+def test_aligned_splits_match_one_device():
+    """bench_sharded's greedy check: with one block per split (``aligned_impl``) every split
+    of the one-device kernel reads the tokens of one shard's split, so sharded and one-device
+    outputs differ only by the float32 merge order (rows over both shards included)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from bench_sharded import aligned_impl
+
+    mesh = make_mesh((1, 1, 2))
+    cache, q = make_cache(7, 64)
+    name = aligned_impl("pallas", 1)
+    out = jax.jit(lambda q, c: osh.sharded_decode_attention(
+        q, c, mesh, implementation=name, **OPTS))(q, osh.shard_cache(cache, mesh))  # fmt: skip
+    one = oj.decode_attention(q, cache, implementation=name, **OPTS)  # the fused ring
+    assert max_rel(out, one) <= tol(jnp.float32)["max_rel"]
+    whole = oj.decode_attention(q, cache, implementation="pallas", blocks_per_split=4, **OPTS)
+    assert max_rel(out, whole) > tol(jnp.float32)["max_rel"]  # one split over both shards
+    with pytest.raises(ValueError, match="aligned splits"):
+        osh.sharded_decode_attention(q, osh.shard_cache(cache, mesh), mesh,
+                                     implementation=aligned_impl("pallas", 3), **OPTS)  # fmt: skip
+    with pytest.raises(ValueError, match="must be 'pallas'"):
+        aligned_impl("xla", 1)
