@@ -147,6 +147,8 @@ def register_quantized_partial(name: str, fn: Callable) -> None:
     q_rot [b, h, g, d] float32 (rotated, unscaled); ``cache`` holds the quantized tokens at
     global positions offset.. (a sequence shard), ``cache.lengths`` the global lengths;
     acc [b, h, g, d] in the rotated basis, m / l [b, h, g] as ``quantized_partial``'s.
+    For a ``bf16`` cache (no quantized part) ``fn`` covers the ring slots offset.., as
+    ``residual_partial`` does (the "xla" entry is not called for those).
     """
     _PARTIALS[name] = fn
 

@@ -156,9 +156,9 @@ def sharded_decode_attention(
 ) -> Float[Array, "B Hq D"]:
     """``decode_attention`` over a cache sharded in the default layout.
 
-    ``implementation``: the quantized shards' partial, "xla" (reference math) or
-    "pallas" (the INT kernel; ``options``: its ``DecodeConfig`` fields). A ``bf16``
-    cache runs the XLA math for either.
+    ``implementation``: the shards' partial, "xla" (reference math) or "pallas" (the INT
+    kernel over the quantized part, the BF16 kernel over a ``bf16`` cache's ring slice;
+    ``options``: their ``DecodeConfig`` fields).
     """
     att.check_query(q, cache)
     check_mesh(cache, mesh, ax)
@@ -174,8 +174,9 @@ def sharded_decode_attention(
             part = partial(q_rot, c, scale, offset=idx * c.quant_capacity, **options)
             acc, m, denom = _merge_over(part, ax.sequence)
             parts = [(att.unrotate_values(acc, cfg), m, denom), att.residual_partial(qg, c, scale)]
-        else:
-            part = att.residual_partial(qg, c, scale, offset=idx * c.slots)
+        else:  # the whole bf16 cache is ring: each shard holds slots idx * slots..
+            ring = att.residual_partial if implementation == "xla" else partial
+            part = ring(qg, c, scale, offset=idx * c.slots, **options)
             parts = [_merge_over(part, ax.sequence)]
         return att.merge_partials(parts).reshape(q.shape).astype(q.dtype)
 

@@ -383,11 +383,20 @@ def quantized_partial_pallas(q_rot, cache, scale, *, offset=0, **options):
     q_rot [b, h, g, d] f32 (unscaled) -> (acc [b, h, g, d] rotated basis, m, l [b, h, g]).
     The shard holds global quantized positions offset.. (``cache.lengths`` are global): it
     reads clip(nq - offset, 0, capacity) tokens. No fused ring (the caller adds the ring).
+    A ``bf16`` cache (all tokens in the ring, no rotation) runs the BF16 kernel over its
+    ring slots offset.. instead: clip(length - offset, 0, slots) of them.
     """
     kcfg = cache.cfg
     b, h, g, d = q_rot.shape
     if d not in (64, 128, 256):
         raise ValueError(f"head_dim={d} must be 64, 128 or 256 for the pallas decode kernel")
+    if not kcfg.quantized:
+        from pallas_kernels import decode_bf16
+
+        cfg = choose_config(b, h, cache.slots, block=128, **options)
+        n = jnp.clip(cache.lengths.astype(jnp.int32) - offset, 0, cache.slots)
+        acc, m, lsum = decode_bf16.bf16_partials(q_rot * scale, cache, cfg, lengths=n)
+        return acc[:, :, :g], m[:, :, :g], lsum[:, :, :g]
     if kcfg.bits not in (2, 4):  # (a GQA ratio g > GP: pad_query raises)
         raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     lq = cache.quant_capacity

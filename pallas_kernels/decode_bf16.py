@@ -71,6 +71,14 @@ def _bf16_kernel(n_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, t, bps, s
 
 def decode_bf16(qg_scaled, cache, cfg: DecodeConfig):
     """qg_scaled [B, H, g, D] (softmax scale folded in) -> normalised outputs [B, H, g, D] f32."""
+    acc, m, lsum = bf16_partials(qg_scaled, cache, cfg)
+    out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
+    return out[:, :, : qg_scaled.shape[2]]
+
+
+def bf16_partials(qg_scaled, cache, cfg: DecodeConfig, lengths=None):
+    """Merged (acc [B, H, GP, D], m, l [B, H, GP]) over ring slots [0, lengths) (default
+    ``cache.lengths``; a sequence shard passes its own count), m = -inf where empty."""
     b, h, g, d = qg_scaled.shape
     slots = cache.slots
     t = cfg.block_tokens
@@ -112,7 +120,10 @@ def decode_bf16(qg_scaled, cache, cfg: DecodeConfig):
         interpret=cfg.interpret,
         name="oscar_decode_bf16",
         **kwargs,
-    )(cache.lengths.astype(jnp.int32), pad_query(qg_scaled, dt), cache.k_res, cache.v_res)
-    acc, m, lsum = merge_splits(acc, m, lsum)
-    out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
-    return out[:, :, :g]
+    )(
+        (cache.lengths if lengths is None else lengths).astype(jnp.int32),
+        pad_query(qg_scaled, dt),
+        cache.k_res,
+        cache.v_res,
+    )
+    return merge_splits(acc, m, lsum)

@@ -85,7 +85,7 @@ def test_sharded_pallas_equals_unsharded(mesh_shape, d, bits):
     assert max_rel(xla, ref) <= tol(jnp.float32)["max_rel"]  # the default path is unchanged
 
 
-def test_bad_implementation_and_bf16_fallback():
+def test_bad_implementation_and_bf16_cache():
     mesh = make_mesh((1, 2, 2))
     cache, q = make_cache(0, 64)
     with pytest.raises(ValueError, match="implementation='nope'"):
@@ -94,13 +94,26 @@ def test_bad_implementation_and_bf16_fallback():
         osh.sharded_decode_attention(q, cache, mesh, block_tokens=64)  # options need pallas
     with pytest.raises(ValueError, match="nq.shape"):
         pdec.quantized_partials(q, cache, pdec.choose_config(B, H, 256, 32), nq=jnp.zeros(3))
-    # a bf16 cache (its ring split along slots) keeps the XLA math under "pallas"
-    bf = oj.init_cache(oj.preset("bf16"), batch=B, max_len=256, num_kv_heads=H, head_dim=64,
-                       dtype=jnp.float32)  # fmt: skip
+    # a bf16 cache (its ring split along slots): the BF16 kernel on each slice under "pallas"
+    # (rows ending in shard 0, in shard 1, and one of 7 tokens); it takes 16-bit caches only
     k, v = kv_with_sinks(3, B, 200, H, 64)
-    bf = oj.prefill(bf, k, v, jnp.asarray([200, 7, 130, 64], jnp.int32))
-    out = osh.sharded_decode_attention(q, osh.shard_cache(bf, mesh), mesh, implementation="pallas")
-    assert max_rel(out, oj.decode_attention(q, bf)) <= tol(jnp.float32)["max_rel"]
+    lens = jnp.asarray([200, 7, 130, 64], jnp.int32)
+    for dt in (jnp.bfloat16, jnp.float32):
+        bf = oj.init_cache(oj.preset("bf16"), batch=B, max_len=256, num_kv_heads=H, head_dim=64,
+                           dtype=dt)  # fmt: skip
+        bf = oj.prefill(bf, k, v, lens)
+        sh = osh.shard_cache(bf, mesh)
+        if dt == jnp.float32:
+            with pytest.raises(ValueError, match="bfloat16 or float16"):
+                osh.sharded_decode_attention(q, sh, mesh, implementation="pallas")
+            continue
+        out = osh.sharded_decode_attention(q, sh, mesh, implementation="pallas", block_tokens=16)
+        ref = oj.decode_attention(q, bf)
+        assert max_rel(out, ref) <= tol(jnp.bfloat16)["max_rel"]
+        one = oj.decode_attention(q, bf, implementation="pallas", block_tokens=16)
+        assert max_rel(out, one) <= tol(jnp.bfloat16)["max_rel"]
+        xla = osh.sharded_decode_attention(q, sh, mesh)  # float32 math: not what ran above
+        assert max_rel(out, xla) > tol(jnp.float32)["max_rel"]
 
 
 # -- models.generate with a mesh and the kernel ------------------------------------------
