@@ -387,7 +387,9 @@ def parse_args(argv=None):
     ap.add_argument("--workloads", type=_list, default=list(ORDER))
     ap.add_argument("--caches", default="bf16,oscar2", help="name[:impl],...")
     ap.add_argument("--impl", default=None, help="kernel of caches without one (pallas; tiny: xla)")
-    ap.add_argument("--encode-impl", default="xla", help="encoder of the decode-time appends")
+    ap.add_argument("--encode-impl", default=None,
+                    help="decode-time cache writes: pallas (one fused launch per layer, "
+                    "measured faster on the H200; tiny: xla) or xla")  # fmt: skip
     ap.add_argument("--prefill-encode-impls", type=_list, default=None, help="xla,pallas")
     ap.add_argument("--prompt-attention", type=_list, default=["reference"],
                     help="prefill forward's attention(s): reference,cudnn,xla")  # fmt: skip
@@ -432,11 +434,13 @@ def parse_args(argv=None):
     if bad:
         ap.error(f"unknown models {bad}; choose from {tuple(ec.MODELS)}")
     # full runs: 32 steps between the two loop lengths (one INT2 flush per row, G = 32)
-    dflt = dict(impl="pallas", steps=(4, 36), tp_steps=(1, 33), repeats=3, tp_repeats=2,
-                prefill_runs=2, copy_mib=2048, prefill_encode_impls=["xla", "pallas"])  # fmt: skip
+    dflt = dict(impl="pallas", encode_impl="pallas", steps=(4, 36), tp_steps=(1, 33), repeats=3,
+                tp_repeats=2, prefill_runs=2, copy_mib=2048,
+                prefill_encode_impls=["xla", "pallas"])  # fmt: skip
     if args.tiny:  # CPU smoke run: XLA attention (Pallas interpret mode is slow), few steps
-        dflt.update(impl="xla", steps=(1, 3), tp_steps=(1, 3), repeats=1, tp_repeats=1,
-                    prefill_runs=1, copy_mib=16, prefill_encode_impls=["xla"])  # fmt: skip
+        dflt.update(impl="xla", encode_impl="xla", steps=(1, 3), tp_steps=(1, 3), repeats=1,
+                    tp_repeats=1, prefill_runs=1, copy_mib=16,
+                    prefill_encode_impls=["xla"])  # fmt: skip
     for k, v in dflt.items():
         if getattr(args, k) is None:
             setattr(args, k, v)

@@ -20,6 +20,9 @@ drops them (not ok, or not wholly inside the array). The caller's cache comes fr
 ``prepare_flushes(..., clear=False)``: its flags already hold the encoding overflows,
 its ring still holds the group (read by the encoder, whose output this kernel takes,
 so XLA orders that read before the in-place write).
+
+On the H200 (2026-11-30) the GPU tests match the XLA writes exactly and a Llama-3.1-8B
+step at batch 1 drops by 0.7 ms at 32K and 128K (1.7 us per launch; BENCHMARKS.md).
 """
 
 from __future__ import annotations
