@@ -158,7 +158,8 @@ class Bench:
             compiled, info = self.programs[key]
             return compiled, dict(info, compile_s=0.0, lower_s=0.0, reused=True)
         mesh, rows = self.shardings(layout, batch)
-        st = ec.static(self.cfg, spec.kv, ctx, spec.impl, mesh=mesh, dtype=self.dtype)
+        st = ec.static(self.cfg, spec.kv, ctx, spec.impl, self.a.encode_impl, mesh=mesh,
+                       dtype=self.dtype)  # fmt: skip
         if mesh is not None:
             ec.gen._check_mesh(self.cfg, spec.kv, mesh, st.axes, batch, ctx, spec.impl)
         cabs = ef.abstract_caches(
@@ -231,7 +232,8 @@ class Bench:
         out = {}
         for where in ("1gpu", layout):
             mesh, rows = self.shardings(where, b)
-            st = ec.static(cfg, spec.kv, max_len, spec.impl, mesh=mesh, dtype=self.dtype)
+            st = ec.static(cfg, spec.kv, max_len, spec.impl, a.encode_impl, mesh=mesh,
+                           dtype=self.dtype)  # fmt: skip
             if mesh is not None:
                 ec.gen._check_mesh(cfg, spec.kv, mesh, st.axes, b, max_len, spec.impl)
             params = self.params(where)
@@ -472,6 +474,9 @@ def parse_args(argv=None):
     ap.add_argument("--caches", default="bf16,oscar2")
     ap.add_argument("--impl", default="xla", choices=("xla", "pallas"), help="decode attention")
     ap.add_argument("--devices", type=int, default=0, help="use the first N devices (0: all)")
+    ap.add_argument("--encode-impl", default="xla", choices=("xla", "pallas"),
+                    help="decode-time cache writes and flush encoder (pallas: one fused "
+                    "write per layer, unsharded or without a sequence axis)")  # fmt: skip
     ap.add_argument("--check-mesh", default="auto", choices=("auto", "seq", "model", "data",
                                                              "hybrid"))  # fmt: skip
     ap.add_argument("--check-steps", type=int, default=None)

@@ -121,8 +121,11 @@ def _fill(st: Static, k, v, lengths):
 
 def _fused_write(st: Static, c) -> bool:
     """Whether a layer's cache update is one launch (``pallas_kernels.cache_write``): opt-in
-    with ``encode_implementation="pallas"``, unsharded, early flushes, a cache it covers."""
-    if st.encode_implementation != "pallas" or st.mesh is not None or not ofl.can_flush_early(c):
+    with ``encode_implementation="pallas"``, no sequence sharding, early flushes, a cache
+    it covers."""
+    if st.encode_implementation != "pallas" or not ofl.can_flush_early(c):
+        return False
+    if st.mesh is not None and osh.mesh_sizes(st.mesh, st.axes)[2] != 1:
         return False
     from pallas_kernels import cache_write  # the Pallas path only (models -> pallas_kernels)
 
@@ -149,7 +152,10 @@ def _layer(st: Static, x, lp, c, pos, todo: ofl.Flush | None):
     if fused:  # ring clear + append + group store in one launch (bit-identical)
         from pallas_kernels import cache_write
 
-        c = cache_write.fused_update(c, k[:, 0], v[:, 0], todo)
+        if mesh is None:
+            c = cache_write.fused_update(c, k[:, 0], v[:, 0], todo)
+        else:  # rows / KV heads split: each device its own slices
+            c = cache_write.sharded_fused_update(c, k[:, 0], v[:, 0], todo, mesh, ax=ax)
     elif mesh is None and early:
         c = append_to_ring(c, k[:, 0], v[:, 0])[0]
     elif mesh is None:

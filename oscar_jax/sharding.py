@@ -232,12 +232,17 @@ def _smap(mesh, f, ins, outs):
     return jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
 
 
+def flush_specs(c: KVCache, f: fl.Flush, ax: MeshAxes = AXES) -> fl.Flush:
+    """PartitionSpecs of a cache's encoded ``Flush`` (rows on data, KV heads on model)."""
+    kv4 = P(ax.data, ax.model, None, None)
+    norm = P(ax.data, cache_specs(c, ax).k_norm[1], None)
+    return fl.Flush(type(f.ek)(kv4, kv4, kv4, norm), type(f.ev)(kv4, kv4, kv4), P(ax.data),
+                    P(ax.data))  # fmt: skip
+
+
 def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
     """``oscar_jax.flush.write_flush`` on the sequence shards: each writes the groups it owns."""
-    specs = cache_specs(c, ax)
-    kv4 = P(ax.data, ax.model, None, None)
-    fspec = fl.Flush(type(f.ek)(kv4, kv4, kv4, P(ax.data, specs.k_norm[1], None)),
-                     type(f.ev)(kv4, kv4, kv4), P(ax.data), P(ax.data))  # fmt: skip
+    specs, fspec = cache_specs(c, ax), flush_specs(c, f, ax)
 
     def local_write(c, f):
         return fl.write_flush(c, f, q_offset=jax.lax.axis_index(ax.sequence) * c.quant_capacity)

@@ -33,8 +33,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.sharding import PartitionSpec as P
 
 import oscar_jax
+from oscar_jax import sharding as osh
 from oscar_jax.cache import KVCache, _rem, ring_append_plan
 from oscar_jax.flush import Flush, can_flush_early
 from pallas_kernels.decode import _pow2
@@ -208,3 +210,36 @@ def fused_update(
         lengths=lengths,
         flags=flags,
     )
+
+
+def sharded_fused_update(
+    cache: KVCache,
+    k_t,  # [B, H, D]
+    v_t,  # [B, H, D]
+    todo: Flush,
+    mesh,
+    *,
+    ax: osh.MeshAxes = osh.AXES,
+    **options,
+) -> KVCache:
+    """``fused_update`` on a mesh without sequence sharding (rows on data, KV heads on
+    model): each device writes its own slices in place. Lengths and flags come from all
+    heads (a non-finite token on one model shard flags the row on every shard), as
+    ``oscar_jax.sharding.sharded_append``'s do. ``options``: ``fused_update``'s."""
+    if osh.mesh_sizes(mesh, ax)[2] != 1:
+        raise ValueError(
+            f"mesh axis {ax.sequence!r} has size {osh.mesh_sizes(mesh, ax)[2]}; "
+            "sharded_fused_update needs it to be 1 (a sequence-sharded cache flushes by "
+            "oscar_jax.sharding.sharded_write_flush)"
+        )
+    osh.check_mesh(cache, mesh, ax)
+    specs, kv = osh.cache_specs(cache, ax), P(ax.data, ax.model, None)
+    out = jax.shard_map(
+        lambda c, k, v, f: fused_update(c, k, v, f, **options),
+        mesh=mesh,
+        in_specs=(specs, kv, kv, osh.flush_specs(cache, todo, ax)),
+        out_specs=specs,
+        check_vma=False,
+    )(cache, k_t, v_t, todo)
+    _, _, lengths, flags = ring_append_plan(cache, k_t, v_t)
+    return dataclasses.replace(out, lengths=lengths, flags=flags)

@@ -199,6 +199,50 @@ def test_model_decode_fused_equals_xla_writes():
     assert np.asarray(last.flags)[0] & oj.FLAG_OVERFLOW  # row 0 ran past max_len
 
 
+@pytest.mark.parametrize("shape", [(2, 1, 1), (1, 2, 1)], ids=["data", "model"])
+def test_model_decode_fused_on_a_mesh(shape):
+    """Rows or KV heads split over 2 devices: the fused writes run per device (shard_map) and
+    give the caches and logits of the sharded XLA writes, bit for bit, across flushes."""
+    from jax.sharding import Mesh
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=2")
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(shape), ("data", "model", "sequence"))
+    kv = oj.preset("oscar", bits=2, group_size=16, residual_length=16)
+    m = models.CausalLM(TINY, rngs=nnx.Rngs(4))
+    ids = np.asarray(jax.random.randint(jax.random.key(2), (2, 40), 0, 256), np.int32)
+    lengths = np.array([40, 23], np.int32)
+    runs = {}
+    for impl in ("xla", "pallas"):
+        logits, caches, p = models.prefill(
+            m, ids, kv, max_new_tokens=24, lengths=lengths, max_len=64, mesh=mesh,
+            cache_dtype="bfloat16", encode_implementation=impl,
+        )  # fmt: skip
+        assert mstep._fused_write(p.st, caches[0]) == (impl == "pallas")
+        out = [(logits, caches)]
+        for i in range(20):
+            tok = jnp.argmax(out[-1][0], -1).astype(jnp.int32)
+            out.append(models.decode_step(p, out[-1][1], tok, lengths + i))
+        runs[impl] = out
+    for i, (a, b) in enumerate(zip(runs["xla"], runs["pallas"], strict=True)):
+        chex.assert_trees_all_equal(b, a, custom_message=f"step {i}")
+    nq0, nq = (np.asarray(r[1][0].num_quantized()) for r in (runs["pallas"][0], runs["pallas"][-1]))
+    assert np.all(nq > nq0)  # every row flushed while decoding
+
+
+def test_sharded_fused_update_needs_no_sequence_axis():
+    from jax.sharding import Mesh
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 1, 2), ("data", "model", "sequence"))
+    c = oj.init_cache(oj.preset("oscar", bits=2, group_size=16, residual_length=16), batch=2,
+                      max_len=64, num_kv_heads=2, head_dim=32)  # fmt: skip
+    k = jnp.ones((2, 2, 32))
+    with pytest.raises(ValueError, match="'sequence' has size 2"):
+        cw.sharded_fused_update(c, k, k, None, mesh)
+
+
 def test_fused_step_updates_caches_in_place():
     """The decode step with the fused writes copies no whole cache and aliases every cache
     buffer (compiled on the CPU, interpret mode; ``test_inplace``'s check of the default)."""
