@@ -188,8 +188,13 @@ def _decode(st: Static, params, caches, tok, pos):
     caches = msh.constrain_caches(tuple(caches), mesh, ax)
     todo = (None,) * len(caches)
     if ofl.can_flush_early(caches[0]):  # the step's flushes: one batched encode, first
-        caches, todo = ofl.prepare_flushes(caches, implementation=st.encode_implementation,
-                                           clear=not _fused_write(st, caches[0]))  # fmt: skip
+        kw = dict(implementation=st.encode_implementation, clear=not _fused_write(st, caches[0]))
+        if (mesh is not None and st.encode_implementation != "xla"
+                and osh.local_flush_reason(caches[0], mesh, ax) is None):  # fmt: skip
+            # a kernel encoder, per device (else it would run on gathered groups)
+            caches, todo = osh.sharded_prepare_flushes(caches, mesh, ax, **kw)
+        else:
+            caches, todo = ofl.prepare_flushes(caches, **kw)
     x = layers.embed(params, tok[:, None])  # [B, 1, Hd]
     out = []
     for i, c in enumerate(caches):

@@ -240,6 +240,46 @@ def flush_specs(c: KVCache, f: fl.Flush, ax: MeshAxes = AXES) -> fl.Flush:
                     P(ax.data))  # fmt: skip
 
 
+def _or_over(flags, axis: str):
+    """Bitwise OR of int32 flags [B] over a mesh axis (one all-reduce)."""
+    bits = jax.numpy.arange(31, dtype=flags.dtype)
+    on = jax.lax.psum((flags[:, None] >> bits) & 1, axis) > 0
+    return jax.numpy.sum(on.astype(flags.dtype) << bits, axis=1).astype(flags.dtype)
+
+
+def local_flush_reason(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES) -> str | None:
+    """Why ``sharded_prepare_flushes`` cannot encode on each device (None: it can)."""
+    _, model, seq = mesh_sizes(mesh, ax)
+    if seq != 1:
+        return f"mesh axis {ax.sequence!r} has size {seq}; it must be 1"
+    if model > 1 and cache.k_norm.shape[1] == 1:
+        return "per-token key norms span every KV head: the model axis must have size 1"
+    return None
+
+
+def sharded_prepare_flushes(caches, mesh: Mesh, ax: MeshAxes = AXES, **kwargs):
+    """``oscar_jax.flush.prepare_flushes`` on each device's rows and KV heads (``shard_map``).
+
+    For encoders XLA cannot partition (a Pallas kernel would otherwise run on gathered,
+    replicated groups). Row flags are OR-ed over the model axis. Needs
+    ``local_flush_reason(...) is None`` (ValueError naming the reason otherwise).
+    """
+    caches = tuple(caches)
+    reason = local_flush_reason(caches[0], mesh, ax)
+    if reason is not None:
+        raise ValueError(reason)
+
+    def local(cs):
+        out, todo = fl.prepare_flushes(cs, **kwargs)
+        out = tuple(dataclasses.replace(c, flags=_or_over(c.flags, ax.model)) for c in out)
+        return out, todo
+
+    specs = tuple(cache_specs(c, ax) for c in caches)
+    todo = jax.eval_shape(lambda cs: fl.prepare_flushes(cs, **kwargs)[1], caches)
+    fspecs = tuple(flush_specs(c, f, ax) for c, f in zip(caches, todo, strict=True))
+    return _smap(mesh, local, (specs,), (specs, fspecs))(caches)
+
+
 def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
     """``oscar_jax.flush.write_flush`` on the sequence shards: each writes the groups it owns."""
     specs, fspec = cache_specs(c, ax), flush_specs(c, f, ax)

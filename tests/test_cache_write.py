@@ -170,6 +170,41 @@ TINY = ModelConfig(
 )  # fmt: skip
 
 
+def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None):
+    """Prefill, then ``steps`` greedy decode steps, with the cache writes of XLA and of the
+    fused kernel: [(logits, caches)] per step for each, compared bit for bit."""
+    kv = oj.preset("oscar", bits=2, group_size=16, residual_length=16)
+    m = models.CausalLM(TINY, rngs=nnx.Rngs(seed))
+    ids = np.asarray(jax.random.randint(jax.random.key(seed), (2, 40), 0, 256), np.int32)
+    runs = {}
+    for impl in ("xla", "pallas"):
+        logits, caches, p = models.prefill(
+            m, ids, kv, max_new_tokens=steps + 1, lengths=lengths, max_len=max_len, mesh=mesh,
+            cache_dtype="bfloat16", encode_implementation=impl,
+        )  # fmt: skip
+        assert mstep._fused_write(p.st, caches[0]) == (impl == "pallas")
+        if mesh is not None:  # the kernels run per device: nothing is gathered
+            assert "all-gather(" not in mstep_jit_text(p, caches, lengths)
+        out = [(logits, caches)]
+        for i in range(steps):
+            tok = jnp.argmax(out[-1][0], -1).astype(jnp.int32)
+            out.append(models.decode_step(p, out[-1][1], tok, lengths + i))
+        runs[impl] = out
+    for i, (a, b) in enumerate(zip(runs["xla"], runs["pallas"], strict=True)):
+        chex.assert_trees_all_equal(b, a, custom_message=f"step {i}")
+    return runs["pallas"]
+
+
+def mstep_jit_text(p, caches, lengths) -> str:
+    """The compiled decode step's HLO text."""
+    import sys
+
+    gen = sys.modules["models.generate"]
+    tok = jnp.zeros((len(lengths),), jnp.int32)
+    pos = jnp.asarray(lengths, jnp.int32)
+    return gen._step_jit.lower(p.st, p.decode_params, tuple(caches), tok, pos).compile().as_text()
+
+
 def test_model_decode_fused_equals_xla_writes():
     """Steps across several flushes (and an overflow): caches and logits bit-identical.
 
@@ -177,57 +212,55 @@ def test_model_decode_fused_equals_xla_writes():
     "pallas" and "xla" runs differ only in how the caches are written."""
     kv = oj.preset("oscar", bits=2, group_size=16, residual_length=16)
     assert pq.kernel_unsupported_reason(kv, TINY.head_dim) is not None
-    m = models.CausalLM(TINY, rngs=nnx.Rngs(3))
-    ids = np.asarray(jax.random.randint(jax.random.key(1), (2, 40), 0, 256), np.int32)
-    lengths = np.array([40, 29], np.int32)
-    runs = {}
-    for impl in ("xla", "pallas"):
-        logits, caches, p = models.prefill(
-            m, ids, kv, max_new_tokens=48, lengths=lengths, max_len=84,
-            cache_dtype="bfloat16", encode_implementation=impl,
-        )  # fmt: skip
-        assert mstep._fused_write(p.st, caches[0]) == (impl == "pallas")
-        out = [(logits, caches)]
-        for i in range(47):
-            tok = jnp.argmax(out[-1][0], -1).astype(jnp.int32)
-            out.append(models.decode_step(p, out[-1][1], tok, lengths + i))
-        runs[impl] = out
-    for i, (a, b) in enumerate(zip(runs["xla"], runs["pallas"], strict=True)):
-        chex.assert_trees_all_equal(b, a, custom_message=f"step {i}")
-    last = runs["pallas"][-1][1][0]
+    run = fused_and_xla_runs(3, np.array([40, 29], np.int32), 47, 84)
+    last = run[-1][1][0]
     assert np.all(np.asarray(last.num_quantized()) >= 48)  # 3+ flushes per row
     assert np.asarray(last.flags)[0] & oj.FLAG_OVERFLOW  # row 0 ran past max_len
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 1), (1, 2, 1)], ids=["data", "model"])
 def test_model_decode_fused_on_a_mesh(shape):
-    """Rows or KV heads split over 2 devices: the fused writes run per device (shard_map) and
-    give the caches and logits of the sharded XLA writes, bit for bit, across flushes."""
+    """Rows or KV heads split over 2 devices: the fused writes and the flush encoder run per
+    device (shard_map) and give the sharded XLA writes' caches and logits, bit for bit."""
     from jax.sharding import Mesh
 
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 devices: XLA_FLAGS=--xla_force_host_platform_device_count=2")
     mesh = Mesh(np.array(jax.devices()[:2]).reshape(shape), ("data", "model", "sequence"))
-    kv = oj.preset("oscar", bits=2, group_size=16, residual_length=16)
-    m = models.CausalLM(TINY, rngs=nnx.Rngs(4))
-    ids = np.asarray(jax.random.randint(jax.random.key(2), (2, 40), 0, 256), np.int32)
-    lengths = np.array([40, 23], np.int32)
-    runs = {}
-    for impl in ("xla", "pallas"):
-        logits, caches, p = models.prefill(
-            m, ids, kv, max_new_tokens=24, lengths=lengths, max_len=64, mesh=mesh,
-            cache_dtype="bfloat16", encode_implementation=impl,
-        )  # fmt: skip
-        assert mstep._fused_write(p.st, caches[0]) == (impl == "pallas")
-        out = [(logits, caches)]
-        for i in range(20):
-            tok = jnp.argmax(out[-1][0], -1).astype(jnp.int32)
-            out.append(models.decode_step(p, out[-1][1], tok, lengths + i))
-        runs[impl] = out
-    for i, (a, b) in enumerate(zip(runs["xla"], runs["pallas"], strict=True)):
-        chex.assert_trees_all_equal(b, a, custom_message=f"step {i}")
-    nq0, nq = (np.asarray(r[1][0].num_quantized()) for r in (runs["pallas"][0], runs["pallas"][-1]))
+    run = fused_and_xla_runs(4, np.array([40, 23], np.int32), 20, 64, mesh)
+    nq0, nq = (np.asarray(r[1][0].num_quantized()) for r in (run[0], run[-1]))
     assert np.all(nq > nq0)  # every row flushed while decoding
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1), (1, 2, 1)], ids=["data", "model"])
+def test_sharded_prepare_flushes_equals_unsharded(shape):
+    """Per-device encoding gives the unsharded flushes exactly, flags included: an encoding
+    overflow planted in KV head 1 (model shard 1) flags its row on every shard."""
+    from jax.sharding import Mesh
+
+    from oscar_jax import sharding as osh
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(shape), ("data", "model", "sequence"))
+    c = random_cache(**CASES["int2_d64_per_head_f32"])
+    nq, due = ofl.flush_due(c)
+    assert bool(due[5]) and int(c.flags[5]) == 0  # row 5 (127 tokens) flushes tokens 64..95
+    slot = int(nq[5]) % c.slots_total
+    big = jnp.array([3e38, -3e38])  # a value group's range overflows float32
+    c = dataclasses.replace(c, v_res=c.v_res.at[5, 1, slot, :2].set(big))
+    ref_c, ref_t = ofl.prepare_flushes([c], clear=False)
+    assert int(ref_c[0].flags[5]) & oj.FLAG_NONFINITE  # the encoding overflowed
+    out_c, out_t = jax.jit(lambda cs: osh.sharded_prepare_flushes(cs, mesh, clear=False))(
+        (osh.shard_cache(c, mesh),)
+    )
+    chex.assert_trees_all_equal((out_c, out_t), (ref_c, ref_t))
+    per_token = random_cache(**CASES["int2_d128_per_token_bf16"])
+    reason = osh.local_flush_reason(per_token, mesh)
+    assert (reason is None) == (shape[1] == 1)
+    if reason:
+        with pytest.raises(ValueError, match="per-token key norms"):
+            osh.sharded_prepare_flushes([per_token], mesh)
 
 
 def test_sharded_fused_update_needs_no_sequence_axis():
