@@ -161,7 +161,7 @@ def test_aligned_splits_match_one_device():
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-    from bench_sharded import aligned_impl
+    from sharded_check import aligned_impl
 
     mesh = make_mesh((1, 1, 2))
     cache, q = make_cache(7, 64)

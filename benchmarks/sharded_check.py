@@ -1,0 +1,169 @@
+"""The greedy-token checks of ``bench_sharded.py`` (issue #10): sharded vs one GPU.
+
+``CheckUnits`` is mixed into ``bench_sharded.Bench`` (it uses its meshes, params and
+compiled programs). ``aligned_impl`` registers the Pallas kernel with a fixed split so
+that both runs split at the shard boundaries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import e2e_common as ec
+import e2e_fill as ef
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from models import sharding as msh
+
+
+def _check_prog(st, n, params, ids, lengths, forced, use_forced):
+    """Prefill, then n steps: tokens [B, n] (argmax, or ``forced`` when use_forced) and logits."""
+    logits, caches = ec.gen._prefill(st, params, ids, lengths)
+
+    def step(carry, i):
+        caches, logits = carry
+        tok = jnp.where(use_forced, forced[:, i], jnp.argmax(logits, -1).astype(jnp.int32))
+        tok = msh.constrain(tok, st.mesh, P(st.axes.data))
+        new, caches = ec.gen._decode(st, params, caches, tok, lengths + i)
+        return (caches, new), (tok, logits)
+
+    _, (toks, lg) = jax.lax.scan(step, (caches, logits), jnp.arange(n, dtype=jnp.int32))
+    return toks.T, jnp.swapaxes(lg, 0, 1)
+
+
+def aligned_impl(impl: str, bps: int) -> str:
+    """Register ``impl`` ("pallas") with ``blocks_per_split=bps`` under its own name.
+
+    Every split of the one-GPU kernel then covers the same tokens as a split of a shard
+    (shard capacities are multiples of the split), so sharded and one-GPU runs differ
+    only in the float32 order of the split merge: the greedy check tests the sharding,
+    not the kernel's 16-bit rounding against a different running max.
+    """
+    if impl != "pallas":
+        raise ValueError(f"impl={impl!r} must be 'pallas' for aligned splits")
+    import oscar_jax as oj
+    from pallas_kernels import decode as pd
+
+    name = f"pallas-bps{bps}"
+
+    def partial(q_rot, cache, scale, *, offset=0, **options):
+        lq, g = cache.quant_capacity, cache.cfg.group_size
+        cfg = pd.choose_config(1, 1, lq, g, blocks_per_split=bps, **options)
+        if lq % (cfg.block_tokens * bps):
+            raise ValueError(f"shard capacity {lq} must be a multiple of "
+                             f"{bps} x {cfg.block_tokens} tokens for aligned splits")  # fmt: skip
+        return pd.quantized_partial_pallas(q_rot, cache, scale, offset=offset,
+                                           blocks_per_split=bps, **options)  # fmt: skip
+
+    oj.register_decode_attention(
+        name, functools.partial(pd.decode_attention_pallas, blocks_per_split=bps)
+    )
+    oj.attention.register_quantized_partial(name, partial)
+    return name
+
+
+class CheckUnits:
+    """The ``check`` workload: methods of ``bench_sharded.Bench``."""
+
+    def check_decode_unit(self, spec: ec.CacheSpec, layout: str):
+        """Greedy equality through the timing programs (no extra compile): the prompt is fed
+        token by token into an empty cache of the seq128k shape (same math as a prefill:
+        appends and prefill give bit-identical caches), then ``check_steps`` greedy steps."""
+        a, cfg = self.a, self.cfg
+        spec = self.check_spec(spec)
+        _, ctx = self.sizes["seq128k"]
+        k = a.check_steps
+        p_len = min(a.check_prompt, ec.HISTORY - k)  # > R = 128: the prompt fills INT2 groups
+        prompt = np.random.default_rng(a.seed).integers(0, cfg.vocab_size, (1, p_len))
+
+        def run(where, forced, n_forced):
+            params = self.params(where)
+            compiled, info = self.program(spec, where, 1, ctx, params)
+            mesh, rows = self.shardings(where, 1)
+            cabs = ef.abstract_caches(
+                cfg, spec.kv, 1, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
+            )
+            caches = ef.make_caches(cabs, 0, "zeros")
+            buf = np.zeros((1, ec.HISTORY), np.int32)
+            buf[:, : forced.shape[1]] = forced
+            tok = jax.device_put(jnp.zeros((1,), jnp.int32), rows)
+            args = ec.decode_args(params, caches, tok, buf, n_forced)
+            res = compiled(*args, np.int32(p_len + k - 1))
+            ef.delete(res[0])
+            return info["compile_s"], [np.asarray(h)[0, p_len - 1 : p_len - 1 + k] for h in res[2]]
+
+        c1, (tok1, top1, top2) = run("1gpu", prompt, p_len)
+        forced = np.concatenate([prompt, tok1[None, : k - 1]], axis=1)
+        c2, (tokf, topf, _) = run(layout, forced, p_len + k - 1)
+        _, (tokn, _, _) = run(layout, prompt, p_len)
+        compile_s = c1 + c2
+        mism = tokf != tok1
+        diff = np.abs(topf - top1)  # the top logit's value, sharded vs one GPU
+        gap = top1 - top2
+        return dict(
+            mode="decode", mesh=str(tuple(self.mesh(layout).shape.values())), steps=k, batch=1,
+            prompt=p_len, max_len=ctx, impl=spec.impl, mismatches=int(mism.sum()),
+            first_mismatch=[int(np.argmax(mism)) if mism.any() else None],
+            tokens_equal=bool((tokn == tok1).all()), logits_max_abs_diff=float(diff.max()),
+            logits_diff_kind="top-1 logit", logits_max_abs=float(np.abs(top1).max()),
+            near_ties=int((mism & (gap <= 2 * diff.max())).sum()), min_top2_gap=float(gap.min()),
+            tokens_1gpu=tok1.tolist(), compile_s=compile_s,
+        )  # fmt: skip
+
+    def check_spec(self, spec: ec.CacheSpec) -> ec.CacheSpec:
+        """The check's cache spec: a Pallas kernel with aligned splits (``--check-bps``)."""
+        if spec.impl == "xla" or not spec.quantized or not self.a.check_bps:
+            return spec
+        return dataclasses.replace(spec, impl=aligned_impl(spec.impl, self.a.check_bps))
+
+    def check_unit(self, spec: ec.CacheSpec, layout: str):
+        a, cfg = self.a, self.cfg
+        spec = self.check_spec(spec)
+        b, t = self.sizes["check"]
+        n = a.check_steps
+        max_len = -(-(ec.gen.bucket_length(t) + n + 128) // (256 * self.n)) * (256 * self.n)
+        rng = np.random.default_rng(a.seed)
+        ids = rng.integers(0, cfg.vocab_size, (b, ec.gen.bucket_length(t))).astype(np.int32)
+        lengths = np.array([t] + [t * 3 // 4] * (b - 1), np.int32)
+        out = {}
+        for where in ("1gpu", layout):
+            mesh, rows = self.shardings(where, b)
+            st = ec.static(cfg, spec.kv, max_len, spec.impl, a.encode_impl, mesh=mesh,
+                           dtype=self.dtype)  # fmt: skip
+            if mesh is not None:
+                ec.gen._check_mesh(cfg, spec.kv, mesh, st.axes, b, max_len, spec.impl)
+            params = self.params(where)
+            fn = jax.jit(functools.partial(_check_prog, st, n))
+            args = [jax.device_put(x, rows if x.ndim == 1 else
+                                   jax.sharding.NamedSharding(mesh, P("data", None))
+                                   if mesh else rows) for x in (ids, lengths)]  # fmt: skip
+            forced = out["1gpu"]["toks"] if where != "1gpu" else np.zeros((b, n), np.int32)
+            args.append(jax.device_put(forced, args[0].sharding))
+            ab = [ec.abstract(x.shape, x.dtype, x.sharding) for x in args]
+            compiled, cinfo = ec.compile_timed(fn, self.pabs(params), *ab,
+                                               ec.abstract((), jnp.bool_, None))  # fmt: skip
+            forced_run = where != "1gpu"
+            toks, lg = compiled(params, *args, np.bool_(forced_run))
+            free, _ = compiled(params, *args, np.bool_(False)) if forced_run else (toks, None)
+            out[where] = dict(toks=np.asarray(free), forced_argmax=np.asarray(jnp.argmax(lg, -1)),
+                              logits=np.asarray(lg), compile_s=cinfo["compile_s"])  # fmt: skip
+        one, sh = out["1gpu"], out[layout]
+        diff = np.abs(sh["logits"] - one["logits"])  # [B, n, V]
+        step_diff = diff.max(-1)
+        top2 = np.sort(one["logits"], -1)[..., -2:]
+        gap = top2[..., 1] - top2[..., 0]
+        mism = sh["forced_argmax"] != one["toks"]
+        return dict(
+            mesh=str(tuple(self.mesh(layout).shape.values())), steps=n, batch=b, prompt=t,
+            max_len=max_len, impl=spec.impl, mismatches=int(mism.sum()),
+            first_mismatch=[int(np.argmax(r)) if r.any() else None for r in mism],
+            tokens_equal=bool((sh["toks"] == one["toks"]).all()),
+            logits_max_abs_diff=float(diff.max()),
+            logits_max_abs=float(np.abs(one["logits"]).max()),
+            near_ties=int((mism & (gap <= 2 * step_diff)).sum()), min_top2_gap=float(gap.min()),
+            tokens_1gpu=one["toks"].tolist(), compile_s=one["compile_s"] + sh["compile_s"],
+        )  # fmt: skip
