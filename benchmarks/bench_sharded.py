@@ -14,11 +14,13 @@ N = all visible devices (``--devices``). Meshes: ``seq`` (1, 1, N), ``model`` (1
   picks its tokens; the sharded run is fed the same tokens (teacher forcing) and its
   argmax is compared at every step (equal at every step <=> equal free-running greedy
   sequences), then also run free. Mismatches, the logits' max |difference| and how many
-  mismatches are near ties (one-GPU top-2 gap <= 2 x that step's max difference).
+  mismatches are near ties (one-GPU top-2 gap <= 2 x that step's max difference). Pallas
+  caches run with aligned splits (``--check-bps``, ``sharded_check.aligned_impl``).
 * ``seq128k`` / ``seq512k``: ms per token at batch 1, one GPU vs ``seq``. A run that does
   not fit (analytic bytes, then the compiled program's memory analysis) is reported so.
 * ``maxctx``: the largest context per cache on 1 and N GPUs (sequence sharding), from the
-  bytes per token, the weights per device and the measured temp / cache ratio.
+  bytes per token, the weights per device and the measured temp / cache ratio; then
+  decoded at that context (``--maxctx-verify``, shrunk until the compiled program fits).
 * ``tp48x4k``: tokens/s at batch 48 x 4K on ``--tp-meshes`` (default 1gpu,data,model).
 * ``tpmax32k``: tokens/s at the largest batch that fits at 32K on ``--tpmax-meshes``.
 
