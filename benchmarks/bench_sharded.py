@@ -185,7 +185,8 @@ class Bench(CheckUnits):
         return max(rs) if rs else 0.0
 
     def maxctx_unit(self, spec):
-        """Largest context per cache on 1 and N devices (sequence mesh): analytic."""
+        """Largest context per cache on 1 and N devices (sequence mesh): analytic, then
+        decoded at (``verify_context``) on the meshes of ``--maxctx-verify``."""
         a, cfg = self.a, self.cfg
         ms = ec.memory_stats(self.dev0, a.mem_limit_gib * ec.GiB if a.mem_limit_gib else None)
         shapes = layers.param_shapes(cfg)

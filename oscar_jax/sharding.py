@@ -34,6 +34,7 @@ from oscar_jax import attention as att
 from oscar_jax import cache as kvc
 from oscar_jax import flush as fl
 from oscar_jax.cache import KVCache
+from oscar_jax.codec import EncodedKeys, EncodedValues
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,11 +233,11 @@ def _smap(mesh, f, ins, outs):
     return jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
 
 
-def flush_specs(c: KVCache, f: fl.Flush, ax: MeshAxes = AXES) -> fl.Flush:
+def flush_specs(c: KVCache, ax: MeshAxes = AXES) -> fl.Flush:
     """PartitionSpecs of a cache's encoded ``Flush`` (rows on data, KV heads on model)."""
     kv4 = P(ax.data, ax.model, None, None)
     norm = P(ax.data, cache_specs(c, ax).k_norm[1], None)
-    return fl.Flush(type(f.ek)(kv4, kv4, kv4, norm), type(f.ev)(kv4, kv4, kv4), P(ax.data),
+    return fl.Flush(EncodedKeys(kv4, kv4, kv4, norm), EncodedValues(kv4, kv4, kv4), P(ax.data),
                     P(ax.data))  # fmt: skip
 
 
@@ -275,14 +276,13 @@ def sharded_prepare_flushes(caches, mesh: Mesh, ax: MeshAxes = AXES, **kwargs):
         return out, todo
 
     specs = tuple(cache_specs(c, ax) for c in caches)
-    todo = jax.eval_shape(lambda cs: fl.prepare_flushes(cs, **kwargs)[1], caches)
-    fspecs = tuple(flush_specs(c, f, ax) for c, f in zip(caches, todo, strict=True))
+    fspecs = tuple(flush_specs(c, ax) for c in caches)
     return _smap(mesh, local, (specs,), (specs, fspecs))(caches)
 
 
 def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
     """``oscar_jax.flush.write_flush`` on the sequence shards: each writes the groups it owns."""
-    specs, fspec = cache_specs(c, ax), flush_specs(c, f, ax)
+    specs, fspec = cache_specs(c, ax), flush_specs(c, ax)
 
     def local_write(c, f):
         return fl.write_flush(c, f, q_offset=jax.lax.axis_index(ax.sequence) * c.quant_capacity)

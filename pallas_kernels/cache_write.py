@@ -226,9 +226,10 @@ def sharded_fused_update(
     model): each device writes its own slices in place. Lengths and flags come from all
     heads (a non-finite token on one model shard flags the row on every shard), as
     ``oscar_jax.sharding.sharded_append``'s do. ``options``: ``fused_update``'s."""
-    if osh.mesh_sizes(mesh, ax)[2] != 1:
+    seq = osh.mesh_sizes(mesh, ax)[2]
+    if seq != 1:
         raise ValueError(
-            f"mesh axis {ax.sequence!r} has size {osh.mesh_sizes(mesh, ax)[2]}; "
+            f"mesh axis {ax.sequence!r} has size {seq}; "
             "sharded_fused_update needs it to be 1 (a sequence-sharded cache flushes by "
             "oscar_jax.sharding.sharded_write_flush)"
         )
@@ -237,7 +238,7 @@ def sharded_fused_update(
     out = jax.shard_map(
         lambda c, k, v, f: fused_update(c, k, v, f, **options),
         mesh=mesh,
-        in_specs=(specs, kv, kv, osh.flush_specs(cache, todo, ax)),
+        in_specs=(specs, kv, kv, osh.flush_specs(cache, ax)),
         out_specs=specs,
         check_vma=False,
     )(cache, k_t, v_t, todo)
