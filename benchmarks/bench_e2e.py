@@ -297,6 +297,7 @@ class Bench:
                         attention=attention, **cinfo)  # fmt: skip
 
         for att in a.prompt_attention:  # the last one's K/V feed the fill units
+            att = layers.resolve_prompt_attention(att, jnp.bfloat16)
             tag = "" if att == "reference" else f":{att}"
             self.r.unit(f"{name}/prefill32k/forward{tag}", functools.partial(forward, att))
         for c in caches:
@@ -391,8 +392,8 @@ def parse_args(argv=None):
                     help="decode-time cache writes: pallas (one fused launch per layer, "
                     "measured faster on the H200; tiny: xla) or xla")  # fmt: skip
     ap.add_argument("--prefill-encode-impls", type=_list, default=None, help="xla,pallas")
-    ap.add_argument("--prompt-attention", type=_list, default=["reference"],
-                    help="prefill forward's attention(s): reference,cudnn,xla")  # fmt: skip
+    ap.add_argument("--prompt-attention", type=_list, default=["auto"],
+                    help="prefill attention(s): auto (GPU: cudnn),reference,cudnn,xla")  # fmt: skip
     ap.add_argument("--fill", default="random", choices=("random", "zeros", "encode"))
     ap.add_argument("--steps", type=_steps, default=None, help="latency loop lengths n1,n2")
     ap.add_argument("--tp-steps", type=_steps, default=None, help="throughput n1,n2")

@@ -197,7 +197,7 @@ def prepare(
     pad_token_id: int | None = None,
     mesh: Mesh | None = None,
     mesh_axes: osh.MeshAxes = osh.AXES,
-    prompt_attention: str = "reference",
+    prompt_attention: str = "auto",
 ) -> Prepared:
     """Validate the inputs (ValueError on bad ids / lengths / sizes) and build the static config.
 
@@ -244,7 +244,7 @@ def prepare(
         pad_token_id = m.config.pad_token_id
     if pad_token_id is None:
         pad_token_id = stops[0] if stops else 0
-    _check_prompt_attention(prompt_attention, m.dtype, mesh)
+    prompt_attention = _check_prompt_attention(prompt_attention, m.dtype, mesh)
     cache_kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
     if mesh is not None:
         _check_mesh(m.config, cache_kv, mesh, mesh_axes, b, int(max_len), implementation)
@@ -264,12 +264,14 @@ def prepare(
     return Prepared(st, ids_j, lens_j, m, kv)
 
 
-def _check_prompt_attention(impl, dtype, mesh) -> None:
-    """ValueError unless ``layers.causal_attention`` can run ``impl`` here."""
+def _check_prompt_attention(impl, dtype, mesh) -> str:
+    """The concrete implementation of ``impl`` (see ``layers.resolve_prompt_attention``);
+    ValueError unless ``layers.causal_attention`` can run it here."""
     if impl not in layers.PROMPT_ATTENTION:
         raise ValueError(f"prompt_attention={impl!r} must be one of {layers.PROMPT_ATTENTION}")
+    impl = layers.resolve_prompt_attention(impl, dtype, sharded=mesh is not None)
     if impl == "reference":
-        return
+        return impl
     if mesh is not None:
         raise ValueError(f"prompt_attention={impl!r}: sharded runs (mesh=...) use 'reference'")
     if impl == "cudnn":
@@ -279,6 +281,7 @@ def _check_prompt_attention(impl, dtype, mesh) -> None:
             raise ValueError(
                 f"prompt_attention='cudnn' needs a bfloat16/float16 model, got {jnp.dtype(dtype)}"
             )
+    return impl
 
 
 def _check_mesh(mc: ModelConfig, kv, mesh, ax, batch: int, max_len: int, implementation: str):
@@ -314,7 +317,7 @@ def generate(
     return_info: bool = False,
     mesh: Mesh | None = None,
     mesh_axes: osh.MeshAxes = osh.AXES,
-    prompt_attention: str = "reference",
+    prompt_attention: str = "auto",
 ):
     """Generate ``max_new_tokens`` tokens per row -> [B, N] int32 (and info with ``return_info``).
 
@@ -342,7 +345,8 @@ def generate(
     ``mesh``: run sharded on a ``jax.sharding.Mesh`` with axes ``mesh_axes`` (default
     ("data", "model", "sequence"); layout and requirements in ``models.sharding``);
     the tokens are the same as unsharded (logits equal up to float summation order).
-    ``prompt_attention``: the prefill's attention (``layers.causal_attention``):
+    ``prompt_attention``: the prefill's attention (``layers.causal_attention``): "auto"
+    (default: "cudnn" for a 16-bit model on a GPU without ``mesh``, else "reference"),
     "reference" (float32, exact, slow on long prompts), "cudnn" (GPU flash attention in
     the model's 16-bit dtype) or "xla".
     """

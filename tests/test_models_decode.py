@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("torch", reason="the tiny checkpoints are built with transformers")
 pytest.importorskip("transformers")
 
-from test_models_common import ours, random_ids  # noqa: E402
+from test_models_common import checkpoint, ours, random_ids  # noqa: E402
 
 import models  # noqa: E402
 import oscar_jax as oj  # noqa: E402
@@ -196,3 +196,43 @@ def test_generate_with_fast_prompt_attention():
     if not oj.gpu_available():
         with pytest.raises(ValueError, match="needs a GPU"):
             models.generate(m, ids, 2, prompt_attention="cudnn", **kw)
+
+
+def test_auto_prompt_attention_resolves():
+    """ "auto" is cuDNN only for a 16-bit unsharded model on a GPU; everything else keeps
+    the float32 reference; unknown names raise."""
+    from models import layers
+
+    fast = "cudnn" if oj.gpu_available() else "reference"
+    assert layers.resolve_prompt_attention("auto", jnp.bfloat16) == fast
+    assert layers.resolve_prompt_attention("auto", jnp.float16) == fast
+    assert layers.resolve_prompt_attention("auto", jnp.float32) == "reference"
+    assert layers.resolve_prompt_attention("auto", jnp.bfloat16, sharded=True) == "reference"
+    assert layers.resolve_prompt_attention("xla", jnp.float32) == "xla"
+    with pytest.raises(ValueError, match="implementation='flash'"):
+        layers.resolve_prompt_attention("flash", jnp.bfloat16)
+
+
+def test_cudnn_prompt_attention_matches_reference():
+    """GPU only: cuDNN's flash attention (the "auto" prompt attention of a bf16 model)
+    against the float32 reference on each row's valid prefix (GQA 4, ragged lengths),
+    and a bf16 model generates through it."""
+    if not oj.gpu_available():
+        pytest.skip("cuDNN attention needs a GPU")
+    from models import layers
+
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((2, 256, 8, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((2, 256, 2, 64)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, 256, 2, 64)), jnp.bfloat16)
+    lens = np.array([256, 97])
+    valid = jnp.arange(256)[None] < jnp.asarray(lens)[:, None]
+    ref = np.asarray(layers.causal_attention(q, k, v, valid, chunk=64), np.float32)
+    fast = np.asarray(layers.causal_attention(q, k, v, valid, implementation="auto"), np.float32)
+    for i, n in enumerate(lens):
+        np.testing.assert_allclose(fast[i, :n], ref[i, :n], rtol=2e-2, atol=2e-2)
+    m = models.from_pretrained(checkpoint("llama3")[0], dtype=jnp.bfloat16)
+    ids, lens = random_ids(2, 20, 3), np.array([20, 13])
+    kw = dict(lengths=lens, stop_tokens=(), kv=oj.preset("oscar", bits=2, **SMALL))
+    out = np.asarray(models.generate(m, ids, 4, **kw))  # "auto": cuDNN prompt attention
+    assert out.shape == (2, 4)
