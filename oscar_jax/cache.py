@@ -221,16 +221,21 @@ def _nonfinite_rows(k, v) -> Array:
     return jnp.where(bad, FLAG_NONFINITE, 0).astype(jnp.int32)
 
 
-def _nonfinite_encoding(ek: codec.EncodedKeys, ev: codec.EncodedValues) -> Array:
+def _nonfinite_encoding(ek: codec.EncodedKeys, ev: codec.EncodedValues, levels: int) -> Array:
     """[B] bool: a row whose stored scales, zeros or norms are not finite.
 
     Finite input can still overflow float32 inside the encoder (the rotation grows a
     vector by up to sqrt(D), a group's range max - min can exceed the float32 max):
-    such a row is flagged FLAG_NONFINITE like a row with NaN/Inf input.
+    such a row is flagged FLAG_NONFINITE like a row with NaN/Inf input. So is a group
+    whose top value ``zero + levels * scale`` overflows the parameter dtype: the Pallas
+    decode kernel dequantizes in 16 bits (float16 parameters: values near 65504).
     """
+    f32 = jnp.float32
+    tops = [(z.astype(f32) + levels * s.astype(f32)).astype(s.dtype)
+            for s, z in ((ek.scale, ek.zero), (ev.scale, ev.zero))]  # fmt: skip
     bad = None
-    for x in (ek.scale, ek.zero, ek.norm, ev.scale, ev.zero):
-        r = ~jnp.all(jnp.isfinite(x.astype(jnp.float32)), axis=tuple(range(1, x.ndim)))
+    for x in (ek.scale, ek.zero, ek.norm, ev.scale, ev.zero, *tops):
+        r = ~jnp.all(jnp.isfinite(x.astype(f32)), axis=tuple(range(1, x.ndim)))
         bad = r if bad is None else bad | r
     return bad
 
@@ -312,6 +317,7 @@ def prefill(
             overflow = _nonfinite_encoding(
                 codec.EncodedKeys(None, *(fields[f] for f in ("k_scale", "k_zero", "k_norm"))),
                 codec.EncodedValues(None, fields["v_scale"], fields["v_zero"]),
+                2**cfg.bits - 1,
             )
             flags = flags | jnp.where(overflow, FLAG_NONFINITE, 0).astype(jnp.int32)
     tok, ok = _residual_tokens(nq, n, cache.slots)
@@ -421,7 +427,7 @@ def encode_groups(kg, vg, flush: Array, cfg: KVQuantConfig, implementation: str,
 
     def enc(kg, vg):
         ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
-        return ek, ev, flush & _nonfinite_encoding(ek, ev)
+        return ek, ev, flush & _nonfinite_encoding(ek, ev, 2**cfg.bits - 1)
 
     shapes = jax.eval_shape(enc, kg, vg)
     skip = lambda kg, vg: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731

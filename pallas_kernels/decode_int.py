@@ -189,9 +189,12 @@ def _int_quant_part(
     from shared memory straight into the tensor-core operand layout and become
     ``code * scale + zero`` by bit pattern and packed 16-bit fmas (``_dequant``): no
     int->float conversion, no float32 round trip, no shared-memory layout change. Keys
-    are float16 (the query, loaded once, is the invariant A operand), values bfloat16
-    (range: float16 overflowed above 65504); p enters the value dot once per group for
-    all planes. Scores are [GP, G] with the query heads as MMA rows.
+    are float16 (the query, loaded once, is the invariant A operand); values are float16
+    with float16 parameters, else bfloat16 (float16 overflows above 65504 where bfloat16
+    or float32 parameters allow larger values); p enters the value dot once per group
+    for all planes. Scores are [GP, G] with the query heads as MMA rows. Float16
+    parameters also spare the per-element bfloat16 -> float16 conversions of the key
+    parameters (each thread holds 8 channels' scales and zeros per group and plane).
 
     ``vpair`` (the 16-bit parameter dtype, or None): ``vs_ref`` / ``vz_ref`` hold the
     value scales / zeros bitcast to uint32 pairs [T, D / Gv / 2], so each per-token
@@ -202,6 +205,9 @@ def _int_quant_part(
     column is taken by a masked row sum (exact: one non-zero term).
     """
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
+    # value MMA dtype: float16 with float16 parameters (their range bounds the values, and
+    # no conversion is needed), else bfloat16 (values of any float32 magnitude)
+    vdt = f16 if jnp.dtype(vs_ref.dtype if vpair is None else vpair) == f16 else bf16
     c = 8 // bits
     p_w = d // c  # channels per plane = bytes per token
     w = min(p_w, gv)  # channels per value chunk (one value group)
@@ -231,21 +237,21 @@ def _int_quant_part(
         return jnp.where(valid, s, NEG), valid
 
     def vparam(ref, q, tg, words):
-        """[G] bf16 value scale / zero of group q for tokens tg.. (see ``vpair``)."""
+        """[G] value scale / zero (``vdt``) of group q for tokens tg.. (see ``vpair``)."""
         if vtile:
             key = id(ref)
             if key not in words:
                 words[key] = ref[pl.ds(tg, g), :].astype(f32)  # [G, D / Gv]: one tile
             tile = words[key]
             cols = jax.lax.broadcasted_iota(jnp.int32, tile.shape, 1)
-            return jnp.sum(jnp.where(cols == q, tile, 0.0), axis=1).astype(bf16)
+            return jnp.sum(jnp.where(cols == q, tile, 0.0), axis=1).astype(vdt)
         if vpair is None:
-            return ref[pl.ds(tg, g), q].astype(bf16)
+            return ref[pl.ds(tg, g), q].astype(vdt)
         key = (id(ref), q // 2)
         if key not in words:
             words[key] = ref[pl.ds(tg, g), q // 2]  # [G] uint32: 4-byte elements
         half = ((words[key] >> (16 * (q % 2))) & 0xFFFF).astype(jnp.uint16)
-        return jax.lax.bitcast_convert_type(half, vpair).astype(bf16)
+        return jax.lax.bitcast_convert_type(half, vpair).astype(vdt)
 
     def body(it, carry):
         m_prev, l_prev, accs = carry
@@ -264,7 +270,7 @@ def _int_quant_part(
         new_accs = [a * corr[:, None] for a in accs]
         for jg, p in enumerate(ps):
             tg = t0 + jg * g
-            pb = p.astype(bf16)  # one operand conversion per group, shared by every plane
+            pb = p.astype(vdt)  # one operand conversion per group, shared by every plane
             words = {}  # vpair: one [G] uint32 load serves value groups 2k and 2k + 1
             for j in range(nchunk):
                 grps = [(i * p_w + j * w) // gv for i in range(c)]
@@ -272,7 +278,7 @@ def _int_quant_part(
                       for q in grps]  # [G, W] per plane  # fmt: skip
                 vz = [jnp.broadcast_to(vparam(vz_ref, q, tg, words)[:, None], (g, w))
                       for q in grps]  # fmt: skip
-                vh = _dequant(vc_ref[pl.ds(tg, g), pl.ds(j * w, w)], bits, asm, bf16, vs, vz)
+                vh = _dequant(vc_ref[pl.ds(tg, g), pl.ds(j * w, w)], bits, asm, vdt, vs, vz)
                 for i in range(c):
                     k = i * nchunk + j
                     new_accs[k] = new_accs[k] + jax.lax.dot_general(

@@ -238,4 +238,8 @@ class JitParityTest(parameterized.TestCase):
         c = self.variant(oj.append)(c, k[:, 0], v[:, 0])
         want = oj.append(oj.prefill(c0, k, v, jnp.array([99, 40])), k[:, 0], v[:, 0])
         chex.assert_trees_all_equal(c, want)
-        chex.assert_trees_all_equal(self.variant(oj.dequantize)(c), oj.dequantize(want))
+        # same stored bits; the dequantized floats may differ in the last bit (jit contracts
+        # code * scale + zero into fused multiply-adds)
+        chex.assert_trees_all_close(
+            self.variant(oj.dequantize)(c), oj.dequantize(want), rtol=1e-6, atol=1e-7
+        )

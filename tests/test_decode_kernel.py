@@ -82,6 +82,17 @@ CASES = {
         dict(method="oscar", bits=4, d=256, gqa=1, h=1, lens=(300,), param_dtype="float32"),
         dict(vparams="tile"),
     ),
+    # float16 scales / zeros: float16 value MMA, no parameter conversions in the kernel
+    "int2_d128_gqa4_f16params": (
+        dict(method="oscar", param_dtype="float16", max_len=768),
+        dict(block_tokens=64, blocks_per_split=3),
+    ),
+    "int4_d64_gqa4_f16params_f16cache_vcol": (
+        dict(
+            method="oscar", bits=4, d=64, lens=(613, 200), param_dtype="float16", dtype=jnp.float16
+        ),
+        dict(vparams="col"),
+    ),  # fmt: skip
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
         dict(block_tokens=64, blocks_per_split=2),

@@ -149,8 +149,9 @@ def test_quantize_groups_bound(dtype, param_dtype, bits, log_g, groups, rows, pa
 
 
 # -- fake quantization of keys and values ---------------------------------------------
-def _cfg(method, bits, g, granularity="per_head", rotation="hadamard"):
-    kw = dict(bits=bits, group_size=g, residual_length=0, norm_granularity=granularity)
+def _cfg(method, bits, g, granularity="per_head", rotation="hadamard", param_dtype="float16"):
+    kw = dict(bits=bits, group_size=g, residual_length=0, norm_granularity=granularity,
+              param_dtype=param_dtype)  # fmt: skip
     if method in ("oscar", "rotation_only"):
         kw["rotation"] = rotation
     return oj.preset(method, **kw)
@@ -166,17 +167,18 @@ def _cfg(method, bits, g, granularity="per_head", rotation="hadamard"):
     t=st.sampled_from([1, 37, 64]),
     granularity=st.sampled_from(["per_head", "per_token"]),
     pattern=st.sampled_from(PATTERNS),
+    param_dtype=st.sampled_from(["bfloat16", "float16"]),
     seed=st.integers(0, 2**31 - 1),
     data=st.data(),
 )
 def test_fake_quant_keys_values_bound(
-    dtype, method, bits, log_g, d, t, granularity, pattern, seed, data
+    dtype, method, bits, log_g, d, t, granularity, pattern, param_dtype, seed, data
 ):
     g = 1 << log_g
     if d % min(g, d):
         g = 16
-    cfg = _cfg(method, bits, g, granularity)
-    exp = data.draw(magnitudes(dtype))
+    cfg = _cfg(method, bits, g, granularity, param_dtype=param_dtype)
+    exp = data.draw(magnitudes(dtype, param_dtype))  # float16 parameters bound the range
     b, h = 2, 2
     k = make((b, t, h, d), seed, exp, pattern, dtype, group_axis=1, g=g)
     v = make((b, t, h, d), seed + 1, exp, pattern, dtype, group_axis=3, g=cfg.value_group(d))
@@ -330,15 +332,22 @@ def test_xla_and_pallas_agree(bits, method, lengths, exp, pattern, seed):
 
 
 def test_pallas_decode_large_values_finite():
-    """Value scales above float16's range (values ~1e5): the bfloat16 value dot stays finite."""
-    cfg = oj.preset("oscar", bits=2, group_size=32, residual_length=32)
+    """Values ~1e5, beyond float16: with bfloat16 parameters the bfloat16 value dot stays
+    finite; with float16 parameters (the default) the row is flagged, not silently inf."""
     k = jax.random.normal(jax.random.key(0), (1, 96, 1, 64))
     v = jax.random.normal(jax.random.key(1), (1, 96, 1, 64)) * 1e5
     q = jax.random.normal(jax.random.key(2), (1, 2, 64))
-    c = oj.init_cache(cfg, batch=1, max_len=100, num_kv_heads=1, head_dim=64, dtype=jnp.float32)
-    c = oj.prefill(c, k, v)
-    assert finite(oj.decode_attention(q, c, implementation="xla"))
-    assert finite(oj.decode_attention(q, c, implementation="pallas"))
+    for pdt in ("bfloat16", "float16"):
+        cfg = oj.preset("oscar", bits=2, group_size=32, residual_length=32, param_dtype=pdt)
+        c = oj.init_cache(cfg, batch=1, max_len=100, num_kv_heads=1, head_dim=64,
+                          dtype=jnp.float32)  # fmt: skip
+        c = oj.prefill(c, k, v)
+        if pdt == "float16":
+            assert int(c.flags[0]) & oj.FLAG_NONFINITE
+            continue
+        assert not int(c.flags[0])
+        assert finite(oj.decode_attention(q, c, implementation="xla"))
+        assert finite(oj.decode_attention(q, c, implementation="pallas"))
 
 
 @pytest.mark.parametrize("mag", [1e-6, 1e-7, 1e-20])

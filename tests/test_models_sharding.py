@@ -92,11 +92,14 @@ def test_sharded_generation_equals_unsharded(mesh_shape, method):
     caches, first = models.stack_caches(layer_caches), models.stack_caches(first)  # [L, ...]
     ref_caches, ref_first = models.stack_caches(ref_caches), models.stack_caches(ref_first)
     np.testing.assert_array_equal(toks, ref_toks)
-    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    # INT2: a rounding tie flipped by the float order (allowed below) moves logits and the
+    # next layers' keys by ~1e-4
+    atol = 2e-4 if method == "oscar" else 1e-5
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=atol)
     np.testing.assert_array_equal(np.asarray(caches.lengths), np.asarray(ref_caches.lengths))
     assert not np.any(np.asarray(caches.flags))
     np.testing.assert_allclose(np.asarray(caches.k_res), np.asarray(ref_caches.k_res),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+                               rtol=1e-5, atol=atol)  # fmt: skip
     if method == "oscar":
         nq0, nq = np.asarray(first.num_quantized()), np.asarray(caches.num_quantized())
         assert nq0.max() >= 64 and np.any(nq > nq0)  # INT2 part used, flushes while decoding

@@ -169,9 +169,10 @@ def test_aligned_splits_match_one_device():
     out = jax.jit(lambda q, c: osh.sharded_decode_attention(
         q, c, mesh, implementation=name, **OPTS))(q, osh.shard_cache(cache, mesh))  # fmt: skip
     one = oj.decode_attention(q, cache, implementation=name, **OPTS)  # the fused ring
-    assert max_rel(out, one) <= tol(jnp.float32)["max_rel"]
+    aligned = max_rel(out, one)
+    assert aligned <= tol(jnp.float32)["max_rel"]
     whole = oj.decode_attention(q, cache, implementation="pallas", blocks_per_split=4, **OPTS)
-    assert max_rel(out, whole) > tol(jnp.float32)["max_rel"]  # one split over both shards
+    assert max_rel(out, whole) > 10 * aligned  # one split over both shards: 16-bit p differs
     with pytest.raises(ValueError, match="aligned splits"):
         osh.sharded_decode_attention(q, osh.shard_cache(cache, mesh), mesh,
                                      implementation=aligned_impl("pallas", 3), **OPTS)  # fmt: skip
