@@ -32,7 +32,7 @@ from models import sharding as msh
 from models.config import ModelConfig
 from oscar_jax import flush as ofl
 from oscar_jax import sharding as osh
-from oscar_jax.cache import append_to_ring
+from oscar_jax.ring import append_to_ring
 
 
 class Static(NamedTuple):

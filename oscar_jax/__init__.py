@@ -25,7 +25,6 @@ from oscar_jax.cache import (
     FLAG_NONFINITE,
     FLAG_OVERFLOW,
     KVCache,
-    append,
     cache_capacity_nbytes,
     cache_nbytes,
     dequantize,
@@ -50,6 +49,7 @@ from oscar_jax.hadamard import fwht, hadamard_matrix, rotate, rotation_matrix, u
 from oscar_jax.persistence import load as load_state
 from oscar_jax.persistence import save as save_state
 from oscar_jax.quant import dequantize_groups, pack, quantize_groups, unpack
+from oscar_jax.ring import append
 
 __all__ = [
     "FLAG_BAD_LENGTH", "FLAG_NONFINITE", "FLAG_OVERFLOW", "METHODS", "EncodedKeys",

@@ -26,16 +26,15 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
-from oscar_jax.cache import (
-    FLAG_NONFINITE,
-    KVCache,
+from oscar_jax.cache import FLAG_NONFINITE, KVCache
+from oscar_jax.codec import EncodedKeys, EncodedValues
+from oscar_jax.ring import (
     clear_groups,
     encode_groups,
     flush_due,
     ring_groups,
     write_groups,
 )
-from oscar_jax.codec import EncodedKeys, EncodedValues
 
 
 def can_flush_early(cache: KVCache) -> bool:

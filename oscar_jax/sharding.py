@@ -33,6 +33,7 @@ from jaxtyping import Array, Float
 from oscar_jax import attention as att
 from oscar_jax import cache as kvc
 from oscar_jax import flush as fl
+from oscar_jax import ring
 from oscar_jax.cache import KVCache
 from oscar_jax.codec import EncodedKeys, EncodedValues
 
@@ -215,17 +216,17 @@ def sharded_append(
         flags = cache.flags | kvc._nonfinite_rows(k_t, v_t)  # over all heads, before splitting
 
         def local_ring(c, k, v, fl):
-            out, _, _ = kvc.append_to_ring(c, k, v, ring_offset=jax.lax.axis_index(ax.sequence)
+            out, _, _ = ring.append_to_ring(c, k, v, ring_offset=jax.lax.axis_index(ax.sequence)
                                            * c.slots)  # fmt: skip
             return dataclasses.replace(out, flags=out.flags | fl)
 
         return _smap(mesh, local_ring, (specs, kv_spec, kv_spec, P(ax.data)), specs)(
             cache, k_t, v_t, flags
         )
-    out, nq_old, due = kvc.append_to_ring(cache, k_t, v_t)  # ring: not sequence-sharded
+    out, nq_old, due = ring.append_to_ring(cache, k_t, v_t)  # ring: not sequence-sharded
     if cache.quant_capacity == 0 or not flush:
         return out
-    c, ek, ev = kvc.encode_flush(out, nq_old, due, implementation, options)
+    c, ek, ev = ring.encode_flush(out, nq_old, due, implementation, options)
     return sharded_write_flush(c, fl.Flush(ek, ev, nq_old, due), mesh, ax)
 
 

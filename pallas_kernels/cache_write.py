@@ -15,7 +15,7 @@ Grid (row b, KV head h): each program writes only its own [b, h] slices, in plac
 zeros over the flushed group's G ring slots, the new token's ring slot when the row
 is not full, and the encoded group at token nq when the row flushes. Per-token norms
 ([B, 1, Lq], shared by the heads) are written by the h = 0 program only. Lengths and
-flags stay XLA elementwise ops (they fuse). Runs are dropped as ``cache._set_rows``
+flags stay XLA elementwise ops (they fuse). Runs are dropped as ``ring._set_rows``
 drops them (not ok, or not wholly inside the array). The caller's cache comes from
 ``prepare_flushes(..., clear=False)``: its flags already hold the encoding overflows,
 its ring still holds the group (read by the encoder, whose output this kernel takes,
@@ -37,8 +37,9 @@ from jax.sharding import PartitionSpec as P
 
 import oscar_jax
 from oscar_jax import sharding as osh
-from oscar_jax.cache import KVCache, _rem, ring_append_plan
+from oscar_jax.cache import KVCache, _rem
 from oscar_jax.flush import Flush, can_flush_early
+from oscar_jax.ring import ring_append_plan
 from pallas_kernels.decode import _pow2
 
 CACHE_FIELDS = ("k_res", "v_res", "k_codes", "k_scale", "k_zero", "k_norm",

@@ -33,7 +33,9 @@ multiple of G; 64 measured faster than 32 and 128 at 1 x 128K on the H200, see
 benchmarks/results/decode_notes.md) and 128 for the BF16 kernel; splits so that
 ``B * H * splits`` is about one wave, ``4 * 132`` programs, for the INT kernel (4
 resident per H200 SM at 255 registers; 32 blocks per split beat 16 and 8 at 1 x 128K
-and 48 x 4K) and ``8 * 132`` for the BF16 kernel, at most 32 blocks per split (57 at
+and 48 x 4K; float16 parameters, the default since session 10, take 188 registers, yet
+26 blocks per split ran slower at 1 x 128K: 0.121 against 0.105 ms) and ``8 * 132``
+for the BF16 kernel, at most 32 blocks per split (57 at
 8 x 32K left a near-empty second wave: 0.280 against 0.241 ms) and at least 1 (INT:
 1 x 4K ran 0.0298 ms at 1 block per split, 0.0351 at 4) or 4 (BF16); for the INT
 kernel 2 warps (0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3

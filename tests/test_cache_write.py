@@ -27,7 +27,7 @@ import oscar_jax as oj
 from models import step as mstep
 from models.config import ModelConfig
 from oscar_jax import flush as ofl
-from oscar_jax.cache import append_to_ring
+from oscar_jax.ring import append_to_ring
 from pallas_kernels import cache_write as cw
 from pallas_kernels import quantize as pq
 

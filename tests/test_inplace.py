@@ -28,7 +28,7 @@ import oscar_jax as oj
 from models import layers, memory
 from models.config import ModelConfig
 from oscar_jax import flush as ofl
-from oscar_jax.cache import append_to_ring
+from oscar_jax.ring import append_to_ring
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
 import hlo_copies as hc  # noqa: E402
