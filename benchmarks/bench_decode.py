@@ -276,7 +276,8 @@ def main():
     ap.add_argument("--variants", default="",
                     help="JSON list of INT2 option dicts (decode options; 'param_dtype' picks "
                     "the cache's scale dtype); first=main")  # fmt: skip
-    ap.add_argument("--param-dtype", default="bfloat16", help="INT2 cache scales / zeros")
+    ap.add_argument("--param-dtype", default=oj.KVQuantConfig().param_dtype,
+                    help="INT2 cache scales / zeros (default: the config's)")  # fmt: skip
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--unroll", type=int, default=8, help="chained calls per loop iteration")

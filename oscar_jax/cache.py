@@ -320,7 +320,7 @@ def prefill(
             overflow = _nonfinite_encoding(
                 codec.EncodedKeys(None, *(fields[f] for f in ("k_scale", "k_zero", "k_norm"))),
                 codec.EncodedValues(None, fields["v_scale"], fields["v_zero"]),
-                2**cfg.bits - 1,
+                cfg.levels,
             )
             flags = flags | jnp.where(overflow, FLAG_NONFINITE, 0).astype(jnp.int32)
     tok, ok = _residual_tokens(nq, n, cache.slots)

@@ -123,7 +123,7 @@ def encode_groups(kg, vg, flush: Array, cfg: KVQuantConfig, implementation: str,
 
     def enc(kg, vg):
         ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
-        return ek, ev, flush & _nonfinite_encoding(ek, ev, 2**cfg.bits - 1)
+        return ek, ev, flush & _nonfinite_encoding(ek, ev, cfg.levels)
 
     shapes = jax.eval_shape(enc, kg, vg)
     skip = lambda kg, vg: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731

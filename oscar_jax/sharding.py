@@ -177,8 +177,8 @@ def sharded_decode_attention(
             acc, m, denom = _merge_over(part, ax.sequence)
             parts = [(att.unrotate_values(acc, cfg), m, denom), att.residual_partial(qg, c, scale)]
         else:  # the whole bf16 cache is ring: each shard holds slots idx * slots..
-            ring = att.residual_partial if implementation == "xla" else partial
-            part = ring(qg, c, scale, offset=idx * c.slots, **options)
+            part_fn = att.residual_partial if implementation == "xla" else partial
+            part = part_fn(qg, c, scale, offset=idx * c.slots, **options)
             parts = [_merge_over(part, ax.sequence)]
         return att.merge_partials(parts).reshape(q.shape).astype(q.dtype)
 
