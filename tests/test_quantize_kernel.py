@@ -176,6 +176,27 @@ class TestQuantizeKernelGPU:
             assert np.all(np.isfinite(np.asarray(x, np.float32)))
         self.check(got, (oj.encode_keys_xla(k, cfg), oj.encode_values_xla(v, cfg)), cfg)
 
+    def test_nonfinite_input_flags_its_row_like_xla(self):
+        """inf / NaN in the input (garbage in): the kernel flags the same rows as the XLA
+        path, and the other rows' encodings match it."""
+        cfg = oj.preset("oscar", bits=2, group_size=32, residual_length=32)
+        b, t, h, d = 3, 96, 2, 64
+        k, v = kv_with_sinks(13, b, t, h, d, dtype=jnp.float32)
+        k = k.at[1, 5, 0, 7].set(jnp.inf)  # quantized group 0 of row 1
+        v = v.at[2, 40, 1, 3].set(jnp.nan)  # quantized group 1 of row 2
+        caches = {}
+        for impl, kw in (("xla", {}), ("pallas", dict(interpret=self.INTERPRET))):
+            c = oj.init_cache(cfg, batch=b, max_len=128, num_kv_heads=h, head_dim=d,
+                              dtype=jnp.float32)  # fmt: skip
+            caches[impl] = oj.prefill(c, k, v, implementation=impl, **kw)
+        x, p = caches["xla"], caches["pallas"]
+        assert x.flags.tolist() == [0, oj.FLAG_NONFINITE, oj.FLAG_NONFINITE]
+        assert p.flags.tolist() == x.flags.tolist()
+        self.assert_codes_close(p.k_codes[:1], x.k_codes[:1], cfg.bits)
+        self.assert_codes_close(p.v_codes[:1], x.v_codes[:1], cfg.bits)
+        for f in ("k_scale", "k_zero", "k_norm", "v_scale", "v_zero"):
+            self.assert_params_close(getattr(p, f)[:1], getattr(x, f)[:1])
+
     @pytest.mark.parametrize("method", ["oscar", "kivi"])
     def test_prefill_and_append_match_xla_path(self, method):
         cfg = oj.preset(method, bits=2, group_size=32, residual_length=32)
