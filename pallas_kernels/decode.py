@@ -15,8 +15,10 @@ into (``decode_int._dequant``: bit-pattern int->float and packed 16-bit fmas, in
 PTX), so nothing but the packed bytes and their parameters crosses memory and no
 tile takes a shared-memory layout change. The key MMA is float16 (the dequantized
 keys and the scaled query must stay below 65504, as for any float16 kernel), the
-value MMA bfloat16 (values of any float32 magnitude); accumulation, softmax and the
-partials are float32. Each split writes (acc, m, l). By default the
+value MMA float16 with float16 parameters (the default) and bfloat16 otherwise (values
+of any float32 magnitude); accumulation, softmax and the
+partials are float32. Each split writes (acc, m, l), acc for the real query rows only
+(GQA 4: 4 of the 16; the merge reads those). By default the
 residual ring is the launch's last split (the plain f32 query split into two 16-bit
 halves, so two tensor-core dots give ~f32 accuracy; its acc stays in the original
 basis); XLA merges the splits, un-rotating the quantized splits' weighted sum once.
@@ -180,12 +182,14 @@ def ring_block(slots: int) -> int:
     return min(64, slots & -slots)
 
 
-def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None, *, nq=None):
+def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP):
     """Per-split (acc [B,H,NS,GP,D], m, l [B,H,NS,GP]) in the rotated basis.
 
-    With ``q_plain`` ([B,H,GP,D] f32, scaled) the residual ring is the extra last split.
-    ``nq`` [B]: quantized tokens to read per row (a sequence shard's own count; default
-    ``cache.num_quantized()``).
+    ``qs`` [B, H, S, GP, D] f32, scaled (``stack_queries``): S = 1, the rotated query;
+    S = 2, also the plain query, and the residual ring is the extra last split. One
+    array, so that XLA builds both in one fusion. ``nq`` [B]: quantized tokens to read
+    per row (a sequence shard's own count; default ``cache.num_quantized()``). Only the
+    first ``rows`` query rows of ``acc`` are written (the real heads of the GQA group).
     """
     kcfg = cache.cfg
     b, h, lq, db = cache.k_codes.shape
@@ -207,9 +211,12 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None, *, nq=None
     bps = min(cfg.blocks_per_split, lq // t)
     ns = -(-(lq // t) // bps)
     hn = cache.k_norm.shape[1]
+    if qs.ndim != 5 or qs.shape[:2] != (b, h) or qs.shape[2] not in (1, 2):
+        raise ValueError(f"qs.shape={qs.shape} must be ({b}, {h}, 1 or 2, {GP}, {d})")
+    fused = qs.shape[2] == 2
     if nq is None:
         nq = cache.num_quantized().astype(jnp.int32)
-    elif q_plain is not None or jnp.shape(nq) != (b,):
+    elif fused or jnp.shape(nq) != (b,):
         raise ValueError(f"nq.shape={jnp.shape(nq)} must be ({b},), without the fused ring")
     else:
         nq = jnp.asarray(nq, jnp.int32)
@@ -229,7 +236,7 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None, *, nq=None
             return jax.lax.bitcast_convert_type(x.reshape(b, h, lq, nvp, 2), jnp.uint32)
 
         v_scale, v_zero = pairs(v_scale), pairs(v_zero)
-    ring = (cfg.ring_rows or ring_block(cache.slots)) if q_plain is not None else 0
+    ring = (cfg.ring_rows or ring_block(cache.slots)) if fused else 0
     if ring and cache.slots % ring:
         raise ValueError(f"ring_rows={ring} must divide the ring's {cache.slots} slots")
     kern = functools.partial(
@@ -245,14 +252,18 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None, *, nq=None
         ring=ring,
         vpair=vpair,
         vtile=cfg.vparams == "tile",
+        rows=rows,
     )
 
     def full(*shape):
         return pl.BlockSpec((None, None, *shape), lambda i, j, s: (i, j) + (0,) * len(shape))
 
+    def query(row):  # one of the S queries of qs [B, H, S, GP, D]
+        return pl.BlockSpec((None, None, None, GP, d), lambda i, j, s: (i, j, row, 0, 0))
+
     in_specs = [
         pl.BlockSpec((1,), lambda i, j, s: (i,)),
-        full(GP, d),
+        query(0),
         full(lq // g, g, db),
         full(lq // g, d),
         full(lq // g, d),
@@ -265,7 +276,7 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None, *, nq=None
     ]
     args = [
         nq,
-        q_rot,
+        qs,
         kc,
         cache.k_scale,
         cache.k_zero,
@@ -278,11 +289,11 @@ def quantized_partials(q_rot, cache, cfg: DecodeConfig, q_plain=None, *, nq=None
         ns += 1
         in_specs += [
             pl.BlockSpec((1,), lambda i, j, s: (i,)),
-            full(GP, d),
+            query(1),
             full(cache.slots, d),
             full(cache.slots, d),
         ]
-        args += [cache.lengths.astype(jnp.int32), q_plain, cache.k_res, cache.v_res]
+        args += [cache.lengths.astype(jnp.int32), qs, cache.k_res, cache.v_res]
     out_specs = [
         pl.BlockSpec((None, None, None, GP, d), lambda i, j, s: (i, j, s, 0, 0)),
         pl.BlockSpec((None, None, None, GP), lambda i, j, s: (i, j, s, 0)),
@@ -335,6 +346,16 @@ def pad_query(qg, dtype=jnp.float16):
     return jnp.pad(qg, ((0, 0), (0, 0), (0, GP - g), (0, 0))).astype(dtype)
 
 
+def stack_queries(scale, *qgs):
+    """[B, H, g, D] queries -> [B, H, len(qgs), GP, D] f32, scaled, zero-padded rows: one
+    XLA fusion (a pad per query and a multiply were three launches, ~1 us each)."""
+    g = qgs[0].shape[2]
+    if g > GP:
+        raise ValueError(f"GQA ratio {g} must be <= {GP}")
+    x = jnp.stack(qgs, axis=2).astype(jnp.float32) * scale  # [B, H, S, g, D]
+    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, GP - g), (0, 0)))
+
+
 def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     """``decode_attention(..., implementation="pallas")``; options: DecodeConfig fields."""
     g = check_query(q, cache)
@@ -359,20 +380,15 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
         q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
         unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
-        acc, m, lsum = merge_splits(
-            *quantized_partials(
-                pad_query(q_rot * scale, f32), cache, cfg, pad_query(qg * scale, f32)
-            ),
-            last_basis=unrot,
-        )
+        acc, m, lsum = quantized_partials(stack_queries(scale, q_rot, qg), cache, cfg, rows=g)
+        acc, m, lsum = merge_splits(acc[..., :g, :], m[..., :g], lsum[..., :g], last_basis=unrot)
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
-        out = out[:, :, :g]
         return out.reshape(b, hq, d).astype(q.dtype)
     parts = [residual_partial(qg, cache, scale)]
     if cache.quant_capacity:
         q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
-        acc, m, lsum = merge_splits(*quantized_partials(pad_query(q_rot * scale, f32), cache, cfg))
-        acc, m, lsum = acc[:, :, :g], m[:, :, :g], lsum[:, :, :g]
+        acc, m, lsum = quantized_partials(stack_queries(scale, q_rot), cache, cfg, rows=g)
+        acc, m, lsum = merge_splits(acc[..., :g, :], m[..., :g], lsum[..., :g])
         if kcfg.rotate_values:
             acc = hadamard.unrotate(acc, kcfg, dense=True)
         parts.append((acc, m, lsum))
@@ -407,9 +423,8 @@ def quantized_partial_pallas(q_rot, cache, scale, *, offset=0, **options):
         z = jnp.zeros((b, h, g), jnp.float32)
         return jnp.zeros_like(q_rot), z - jnp.inf, z
     nq = jnp.clip(cache.num_quantized().astype(jnp.int32) - offset, 0, lq)
-    parts = quantized_partials(pad_query(q_rot * scale, jnp.float32), cache, cfg, nq=nq)
-    acc, m, lsum = merge_splits(*parts)
-    return acc[:, :, :g], m[:, :, :g], lsum[:, :, :g]
+    acc, m, lsum = quantized_partials(stack_queries(scale, q_rot), cache, cfg, nq=nq, rows=g)
+    return merge_splits(acc[..., :g, :], m[..., :g], lsum[..., :g])
 
 
 oscar_jax.register_decode_attention("pallas", decode_attention_pallas)

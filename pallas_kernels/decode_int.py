@@ -39,7 +39,19 @@ def _split_dot(x, y, dims, half):
     return out + jax.lax.dot_general(x_lo, y, dims, preferred_element_type=f32)
 
 
-def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, bs):
+def _store_rows(ref, cols, val, rows):
+    """ref[:, cols] = val [GP, W] for its first ``rows`` rows only (the real query heads of
+    the padded GQA group): the partials' padded rows are never written nor read."""
+    if rows >= GP:
+        ref[:, cols] = val
+    else:
+        from jax.experimental.pallas import triton as plgpu
+
+        mask = jax.lax.broadcasted_iota(jnp.int32, val.shape, 0) < rows
+        plgpu.store(ref.at[:, cols], val, mask=mask)
+
+
+def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, bs, rows):
     """The full-precision residual ring, in the original basis (see ``_split_dot``)."""
     slots, d = kr_ref.shape
     n, nq = n_ref[0], nq_ref[0]
@@ -67,7 +79,7 @@ def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, 
         jnp.zeros((GP, d), jnp.float32),
     )
     m, lsum, acc = jax.lax.fori_loop(0, slots // bs, body, init)
-    acc_ref[...] = acc
+    _store_rows(acc_ref, slice(None), acc, rows)
     m_ref[...] = m
     l_ref[...] = lsum
 
@@ -87,7 +99,8 @@ def int_kernel(*refs, ring, **kw):
 
     @pl.when(s_id == last)
     def _():
-        _ring_part(n_ref, quant_refs[0], qp_ref, kr_ref, vr_ref, *out_refs, bs=ring)
+        _ring_part(n_ref, quant_refs[0], qp_ref, kr_ref, vr_ref, *out_refs, bs=ring,
+                   rows=kw["rows"])  # fmt: skip
 
 
 # bit patterns per 16-bit dtype: the float ``base`` (unit spacing in [base, 2 base), so
@@ -182,6 +195,7 @@ def _int_quant_part(
     asm=False,
     vpair=None,
     vtile=False,
+    rows=GP,
 ):
     """One block of T tokens = T / G key groups, one online-softmax step per block.
 
@@ -294,6 +308,6 @@ def _int_quant_part(
     m, lsum, accs = jax.lax.fori_loop(0, nblk, body, init)
     for i in range(c):
         for j in range(nchunk):
-            acc_ref[:, pl.ds(i * p_w + j * w, w)] = accs[i * nchunk + j]
+            _store_rows(acc_ref, pl.ds(i * p_w + j * w, w), accs[i * nchunk + j], rows)
     m_ref[...] = m
     l_ref[...] = lsum

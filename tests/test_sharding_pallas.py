@@ -93,7 +93,10 @@ def test_bad_implementation_and_bf16_cache():
     with pytest.raises(ValueError, match="block_tokens"):
         osh.sharded_decode_attention(q, cache, mesh, block_tokens=64)  # options need pallas
     with pytest.raises(ValueError, match="nq.shape"):
-        pdec.quantized_partials(q, cache, pdec.choose_config(B, H, 256, 32), nq=jnp.zeros(3))
+        qs = pdec.stack_queries(1.0, q.reshape(B, H, GQA, 64))
+        pdec.quantized_partials(qs, cache, pdec.choose_config(B, H, 256, 32), nq=jnp.zeros(3))
+    with pytest.raises(ValueError, match="qs.shape"):
+        pdec.quantized_partials(q, cache, pdec.choose_config(B, H, 256, 32))
     # a bf16 cache (its ring split along slots): the BF16 kernel on each slice under "pallas"
     # (rows ending in shard 0, in shard 1, and one of 7 tokens); it takes 16-bit caches only
     k, v = kv_with_sinks(3, B, 200, H, 64)
