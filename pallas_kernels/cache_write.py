@@ -40,7 +40,7 @@ from oscar_jax import sharding as osh
 from oscar_jax.cache import KVCache, _rem
 from oscar_jax.flush import Flush, can_flush_early
 from oscar_jax.ring import ring_append_plan
-from pallas_kernels.decode import _pow2
+from pallas_kernels.decode_config import _pow2
 
 CACHE_FIELDS = ("k_res", "v_res", "k_codes", "k_scale", "k_zero", "k_norm",
                 "v_codes", "v_scale", "v_zero")  # fmt: skip

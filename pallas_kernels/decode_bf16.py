@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode import DecodeConfig, _triton_params, merge_splits, pad_query
+from pallas_kernels.decode import merge_splits, pad_query
+from pallas_kernels.decode_config import DecodeConfig, _triton_params
 from pallas_kernels.decode_int import GP, NEG
 
 

@@ -1,0 +1,136 @@
+"""Launch parameters of the decode kernels and the heuristic that picks them.
+
+Heuristic (``choose_config``): ``T = 64`` tokens per block for the INT kernel (a
+multiple of G; 64 measured faster than 32 and 128 at 1 x 128K on the H200, see
+benchmarks/results/decode_notes.md; with float16 parameters 32 still lost, 0.112 against
+0.103 ms, although it takes 168 registers instead of 188) and 128 for the BF16 kernel;
+splits so that
+``B * H * splits`` is about one wave, ``4 * 132`` programs, for the INT kernel (4
+resident per H200 SM at 255 registers; 32 blocks per split beat 16 and 8 at 1 x 128K
+and 48 x 4K; float16 parameters, the default since session 10, take 188 registers, yet
+26 blocks per split ran slower at 1 x 128K: 0.121 against 0.105 ms) and ``8 * 132``
+for the BF16 kernel, at most 32 blocks per split (57 at
+8 x 32K left a near-empty second wave: 0.280 against 0.241 ms) and at least 1 (INT:
+1 x 4K ran 0.0298 ms at 1 block per split, 0.0351 at 4) or 4 (BF16); for the INT
+kernel 2 warps (0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3
+pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
+The residual ring is one extra split of the same launch (``fuse_ring``). Every field
+can be overridden by keyword.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+import oscar_jax
+
+TARGET_PROGRAMS = 8 * 132  # BF16 kernel: about 8 programs per H200 SM
+TARGET_PROGRAMS_INT = 4 * 132  # INT kernel: one wave (255 registers x 2 warps: 4 per SM)
+MAX_BLOCKS_PER_SPLIT = 32  # 8 x 32K: 57 blocks (one wave + a 9% tail) 0.280 ms, 31: 0.241
+
+
+def _triton_params(num_warps: int, num_stages: int):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Static launch parameters of the decode kernels.
+
+    block_tokens: tokens per inner block T (power of two, a multiple of the key
+      group G for quantized caches). blocks_per_split: consecutive blocks one
+      program walks. num_warps / num_stages: Triton launch parameters.
+    fuse_ring: the residual ring is the last split of the INT launch (else XLA).
+    unpack: code -> 16-bit float unpacking: "asm" (inline PTX, 4 codes per
+      instruction group) or "jnp" (the same bit trick in Pallas ops; interpret mode
+      always uses it).
+    ring_rows: rows per block of the fused ring loop; 0 = ``ring_block(slots)`` (32 for
+      the default 160 slots). The ring's pipelined [rows, D] K/V buffers set the whole
+      launch's shared memory (42 KB of 43 at 32 rows, D 128, 3 stages: ``ptxas``); 16
+      rows need 24 KB, so the SM's block limit moves from shared memory to registers.
+      Opt-in: on the H200 it changed nothing (0.189 against 0.188 ms at 1 x 128K, session 7).
+    vparams: how the kernel reads the per-token value scales / zeros: "col" (one
+      2-byte column per value group: 128 synchronous ld.global.b16 per thread per
+      block of 64 tokens at D 128), "pair" (the same arrays bitcast to uint32 pairs
+      outside the kernel, no copy of the cache: 4-byte columns, half the loads, which
+      Triton pipelines as cp.async) or "auto" (default: "pair" where it applies, i.e.
+      16-bit scales and an even number of value groups per head, else "col"). On the
+      H200 "pair" took 1 x 128K from 0.188 to 0.132 ms and 8 x 32K from 0.331 to
+      0.236 ms (2 warps, 2026-11-30), with 255 registers and no spills. "tile" (opt-in)
+      reads the G tokens' [G, D/Gv] parameters as one contiguous tile and needs no
+      per-call re-pack (the pairs' bitcast is a copy of both arrays in XLA), yet ran 3-8%
+      slower than "pair" at every shape timed on the H200 (2026-11-30, session 8).
+    interpret: run in Pallas interpret mode (CPU).
+    """
+
+    block_tokens: int = 128
+    blocks_per_split: int = 8
+    num_warps: int = 4
+    num_stages: int = 2
+    interpret: bool = False
+    fuse_ring: bool = True
+    unpack: str = "asm"
+    ablate: str = ""  # benchmark-only: "no_v" leaves the value path out (wrong results)
+    ring_rows: int = 0
+    vparams: str = "auto"
+
+    def __post_init__(self):
+        for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int | np.integer) or val < 1:
+                raise ValueError(f"{name}={val!r} must be a positive int")
+        if not _pow2(self.block_tokens) or self.block_tokens < 16:
+            raise ValueError(f"block_tokens={self.block_tokens} must be a power of two >= 16")
+        if not _pow2(self.num_warps):
+            raise ValueError(f"num_warps={self.num_warps} must be a power of two")
+        rr = self.ring_rows
+        if isinstance(rr, bool) or not isinstance(rr, int | np.integer) or rr < 0:
+            raise ValueError(f"ring_rows={rr!r} must be a non-negative int")
+        if rr and (not _pow2(rr) or rr < 16):
+            raise ValueError(f"ring_rows={rr} must be 0 (auto) or a power of two >= 16")
+        if self.vparams not in ("auto", "col", "pair", "tile"):
+            raise ValueError(f"vparams={self.vparams!r} must be 'auto', 'col', 'pair' or 'tile'")
+        if self.ablate not in ("", "no_v"):
+            raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
+        if self.unpack not in ("asm", "jnp"):
+            raise ValueError(f"unpack={self.unpack!r} must be 'asm' or 'jnp'")
+        for name in ("fuse_ring",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+        if not isinstance(self.interpret, bool):
+            raise ValueError(f"interpret={self.interpret!r} must be a bool")
+
+
+def choose_config(
+    batch: int, heads: int, tokens: int, group: int = 1, *, block: int = 64, **overrides
+) -> DecodeConfig:
+    """The documented heuristic; keyword overrides win (see module docstring)."""
+    unknown = set(overrides) - {f.name for f in dataclasses.fields(DecodeConfig)}
+    if unknown:
+        raise ValueError(
+            f"unknown options {sorted(unknown)}; valid: "
+            f"{[f.name for f in dataclasses.fields(DecodeConfig)]}"
+        )
+    t = overrides.get("block_tokens", max(block, group))
+    nblk = max(1, -(-tokens // t))
+    target = TARGET_PROGRAMS_INT if group > 1 else TARGET_PROGRAMS
+    want_splits = max(1, -(-target // (batch * heads)))
+    floor = 1 if group > 1 else 4  # INT at 1 x 4K: 1 block per split 0.0298 ms, 4: 0.0351
+    bps = max(min(floor, nblk), min(MAX_BLOCKS_PER_SPLIT, -(-nblk // want_splits)))
+    kw = dict(
+        block_tokens=t,
+        blocks_per_split=bps,
+        num_warps=2 if group > 1 else 4,
+        num_stages=3 if group > 1 else 2,
+        interpret=not oscar_jax.gpu_available(),
+    )
+    kw.update(overrides)
+    return DecodeConfig(**kw)
