@@ -7,10 +7,12 @@ writes codes, scales/zeros and norms; nothing intermediate goes back to HBM. The
 groups of a program are a loop that Triton software-pipelines (``num_stages=2``: the
 next group's tiles are prefetched by cp.async while one is encoded). Default 4 groups,
 2 stages; on the H200 (2026-11-30) 128K tokens took 0.808 against 0.904 ms with one
-group per program, 32K tokens 0.227-0.252 against 0.246-0.254 ms (two runs). Codes are
-rounded by a magic-number add inside one inline-PTX op per element (``_codes``), not by
-quarter-rate conversions: 4,641 instead of 5,479 instructions per thread per group
-(offline SASS) and 0.66-0.68 against 0.81 ms at 128K, bit-identical (session 11).
+group per program, 32K tokens 0.227-0.252 against 0.246-0.254 ms (two runs). The
+per-element numerics live in ``quantize_numerics``: codes rounded by a magic-number add
+in one inline-PTX op per element, not by quarter-rate conversions (4,641 instead of
+5,479 instructions per thread per group, offline SASS; 0.66-0.68 against 0.81 ms at
+128K, bit-identical, session 11), and the level division without ``div.rn`` (4,104;
+0.64 ms).
 
 Per group of G tokens, the tile is read as D/W chunks of W = min(P, Gv) channels (P =
 D*bits/8 channels per packed plane, Gv the value group), rotated by
@@ -50,8 +52,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 import oscar_jax
-from oscar_jax import codec, hadamard, quant
+from oscar_jax import codec, hadamard
 from oscar_jax.config import KVQuantConfig
+from pallas_kernels.quantize_numerics import (
+    _quantize,
+    _recip,
+    _row_max_abs,
+    _row_sumsq,
+)
 from pallas_kernels.quantize_rotation import rotated_chunks, rotation_operand
 
 
@@ -129,97 +137,10 @@ class _Spec:
         return np.float32(1.0 / np.sqrt(hadamard.hadamard_block_size(self.d)))
 
 
-def _div(a, b, spec: _Spec):
-    """a / b in f32: IEEE-rounded (div.rn) or via a reciprocal, per the tuning."""
-    if not spec.tuning.exact_division:  # one IEEE reciprocal per row/column, then multiply
-        return a * _div(
-            jnp.ones_like(b),
-            b,
-            dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, exact_division=True)),
-        )
-    b = jnp.broadcast_to(b, a.shape)
-    if spec.interpret:
-        return a / b
-    (out,) = plgpu.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
-    )  # fmt: skip
-    return out
-
-
-def _codes(v, levels: int, spec: _Spec, into=None, shift: int = 0):
-    """``into | code << shift`` (int32) with code = round_half_even(clip(v, 0, levels)),
-    NaN -> 0: the reference's ``clip(round(where(isnan(v), 0, clip(v, -1, levels + 1))),
-    0, levels)`` (equal for every v: the clip bounds are integers, rounding is monotonic).
-
-    On the GPU one inline-PTX instance per element: ``max.f32`` (it returns the non-NaN
-    operand: NaN -> 0), ``min.f32``, the magic-number add 1.5 * 2^23 (its round-to-
-    nearest-even leaves the integer in the low mantissa bits) and a bit-field insert into
-    the packed byte: no quarter-rate ``cvt`` conversions, two fewer min/max per element.
-    """
-    nbits = levels.bit_length()
-    if spec.interpret:
-        v = jnp.clip(jnp.where(v != v, 0.0, v), 0.0, float(levels))
-        code = jnp.round(v).astype(jnp.int32) << shift
-        return code if into is None else into | code
-    lines = [
-        "{",
-        ".reg .f32 t;",
-        "max.f32 t, $1, 0f00000000;",
-        f"min.f32 t, t, 0f{np.float32(levels).view(np.uint32):08X};",
-        "add.rn.f32 t, t, 0f4B400000;",
-    ]
-    if into is None:
-        lines.append(f"bfi.b32 $0, t, 0, {shift}, {nbits};")
-        args, cons = [v], "=r,f"
-    else:
-        lines.append(f"bfi.b32 $0, t, $2, {shift}, {nbits};")
-        args, cons = [v, into], "=r,f,r"
-    (out,) = plgpu.elementwise_inline_asm(
-        "\n".join([*lines, "}"]), args=args, constraints=cons, pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.int32)],
-    )  # fmt: skip
-    return out
-
-
-def _quantize(y, mn, mx, spec: _Spec, into=None, shift: int = 0):
-    """Stored scale/zero of a group and ``into | codes << shift`` (int32) of y, as
-    quant.quantize_groups."""
-    levels = spec.cfg.levels
-    scale = _div(mx - mn, jnp.full_like(mx, levels), spec).astype(spec.cfg.scale_dtype)
-    zero = mn.astype(spec.cfg.scale_dtype)
-    s32, z32 = scale.astype(jnp.float32), zero.astype(jnp.float32)
-    pos = s32 > 0
-    inv = jnp.where(pos, _div(jnp.ones_like(s32), jnp.where(pos, s32, 1.0), spec), 0.0)
-    return scale, zero, _codes((y - z32) * inv, levels, spec, into, shift)
-
-
 def _store_codes(ref, b, h, t0, packed, spec: _Spec):
     g, w = spec.cfg.group_size, spec.w
     for j, acc in enumerate(packed):
         ref[b, h, pl.ds(t0, g), pl.ds(j * w, w)] = acc.astype(jnp.uint8)
-
-
-def _row_max_abs(ys):
-    m = jnp.max(jnp.abs(ys[0]), axis=1)
-    for y in ys[1:]:
-        m = jnp.maximum(m, jnp.max(jnp.abs(y), axis=1))
-    return m
-
-
-def _recip(d, spec: _Spec):
-    """quant.prescaled_reciprocal with the kernel's division: (p, r), x / d ~= (x * p) * r."""
-    return quant.prescaled_reciprocal(d, div=lambda a, b: _div(a, b, spec))
-
-
-def _row_sumsq(ys, m_safe, spec: _Spec):
-    s = None
-    p, r = _recip(m_safe, spec)
-    for y in ys:
-        z = (y * p[:, None]) * r[:, None]
-        part = jnp.sum(z * z, axis=1)
-        s = part if s is None else s + part
-    return s
 
 
 def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):

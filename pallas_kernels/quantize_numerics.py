@@ -1,0 +1,139 @@
+"""Per-element numerics of the fused encoder (``pallas_kernels.quantize``) in Pallas ops.
+
+The encoder must reproduce the XLA path's codes, scales, zeros and norms (``oscar_jax.
+codec``), so its divisions are IEEE round-to-nearest and its rounding is half-to-even;
+on the GPU both are inline PTX (Triton's ``/`` is approximate and it lowers no round),
+in interpret mode plain ``jnp``. ``spec`` is the encoder's ``_Spec`` (config, tuning,
+interpret flag).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import triton as plgpu
+
+from oscar_jax import quant
+
+
+def _div(a, b, spec):
+    """a / b in f32: IEEE-rounded (div.rn) or via a reciprocal, per the tuning."""
+    if not spec.tuning.exact_division:  # one IEEE reciprocal per row/column, then multiply
+        return a * _div(
+            jnp.ones_like(b),
+            b,
+            dataclasses.replace(spec, tuning=dataclasses.replace(spec.tuning, exact_division=True)),
+        )
+    b = jnp.broadcast_to(b, a.shape)
+    if spec.interpret:
+        return a / b
+    (out,) = plgpu.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )  # fmt: skip
+    return out
+
+
+def markstein_div_asm(levels: int) -> str:
+    """Inline PTX for ``$0 = $1 / levels``, IEEE round-to-nearest, without ``div.rn``'s
+    subroutine: q = a * R with R = RN(1 / levels), the exact remainder r = fma(-q, levels,
+    a), then fma(r, R, q) (Markstein's correction step); non-finite a keeps q. Checked
+    equal to ``div.rn.f32`` for every non-negative float32 at levels 3 and 15 on the H200
+    (``benchmarks/check_division.py``); the kernel divides only ``max - min >= 0``.
+    """
+    rcp = np.float32(1.0) / np.float32(levels)
+    hexf = lambda x: f"0f{np.float32(x).view(np.uint32):08X}"  # noqa: E731
+    return "\n".join([
+        "{",
+        ".reg .f32 q, r, t;",
+        ".reg .pred p;",
+        f"mul.rn.f32 q, $1, {hexf(rcp)};",
+        f"fma.rn.f32 r, q, {hexf(-levels)}, $1;",
+        f"fma.rn.f32 t, r, {hexf(rcp)}, q;",
+        "testp.finite.f32 p, $1;",
+        "selp.f32 $0, t, q, p;",
+        "}",
+    ])  # fmt: skip
+
+
+def _div_levels(a, levels: int, spec):
+    """a / levels as ``_div`` rounds it (a >= 0: a group's max - min)."""
+    if spec.interpret or not spec.tuning.exact_division:
+        return _div(a, jnp.full_like(a, levels), spec)
+    (out,) = plgpu.elementwise_inline_asm(
+        markstein_div_asm(levels), args=[a], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+    )  # fmt: skip
+    return out
+
+
+def _codes(v, levels: int, spec, into=None, shift: int = 0):
+    """``into | code << shift`` (int32) with code = round_half_even(clip(v, 0, levels)),
+    NaN -> 0: the reference's ``clip(round(where(isnan(v), 0, clip(v, -1, levels + 1))),
+    0, levels)`` (equal for every v: the clip bounds are integers, rounding is monotonic).
+
+    On the GPU one inline-PTX instance per element: ``max.f32`` (it returns the non-NaN
+    operand: NaN -> 0), ``min.f32``, the magic-number add 1.5 * 2^23 (its round-to-
+    nearest-even leaves the integer in the low mantissa bits) and a bit-field insert into
+    the packed byte: no quarter-rate ``cvt`` conversions, two fewer min/max per element.
+    """
+    nbits = levels.bit_length()
+    if spec.interpret:
+        v = jnp.clip(jnp.where(v != v, 0.0, v), 0.0, float(levels))
+        code = jnp.round(v).astype(jnp.int32) << shift
+        return code if into is None else into | code
+    lines = [
+        "{",
+        ".reg .f32 t;",
+        "max.f32 t, $1, 0f00000000;",
+        f"min.f32 t, t, 0f{np.float32(levels).view(np.uint32):08X};",
+        "add.rn.f32 t, t, 0f4B400000;",
+    ]
+    if into is None:
+        lines.append(f"bfi.b32 $0, t, 0, {shift}, {nbits};")
+        args, cons = [v], "=r,f"
+    else:
+        lines.append(f"bfi.b32 $0, t, $2, {shift}, {nbits};")
+        args, cons = [v, into], "=r,f,r"
+    (out,) = plgpu.elementwise_inline_asm(
+        "\n".join([*lines, "}"]), args=args, constraints=cons, pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.int32)],
+    )  # fmt: skip
+    return out
+
+
+def _quantize(y, mn, mx, spec, into=None, shift: int = 0):
+    """Stored scale/zero of a group and ``into | codes << shift`` (int32) of y, as
+    quant.quantize_groups."""
+    levels = spec.cfg.levels
+    scale = _div_levels(mx - mn, levels, spec).astype(spec.cfg.scale_dtype)
+    zero = mn.astype(spec.cfg.scale_dtype)
+    s32, z32 = scale.astype(jnp.float32), zero.astype(jnp.float32)
+    pos = s32 > 0
+    inv = jnp.where(pos, _div(jnp.ones_like(s32), jnp.where(pos, s32, 1.0), spec), 0.0)
+    return scale, zero, _codes((y - z32) * inv, levels, spec, into, shift)
+
+
+def _row_max_abs(ys):
+    m = jnp.max(jnp.abs(ys[0]), axis=1)
+    for y in ys[1:]:
+        m = jnp.maximum(m, jnp.max(jnp.abs(y), axis=1))
+    return m
+
+
+def _recip(d, spec):
+    """quant.prescaled_reciprocal with the kernel's division: (p, r), x / d ~= (x * p) * r."""
+    return quant.prescaled_reciprocal(d, div=lambda a, b: _div(a, b, spec))
+
+
+def _row_sumsq(ys, m_safe, spec):
+    s = None
+    p, r = _recip(m_safe, spec)
+    for y in ys:
+        z = (y * p[:, None]) * r[:, None]
+        part = jnp.sum(z * z, axis=1)
+        s = part if s is None else s + part
+    return s
