@@ -18,11 +18,10 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.quantize_numerics import markstein_div_asm
+from pallas_kernels.quantize_numerics import markstein_div_asm, ptx_f32
 
 BLOCK = 1 << 16  # bit patterns per program
 
@@ -35,7 +34,7 @@ def _kernel(o_ref, *, levels: int, base: int):
         markstein_div_asm(levels), args=[a], constraints="=f,f", pack=1, result_shape_dtypes=[f32]
     )
     (want,) = plgpu.elementwise_inline_asm(
-        f"div.rn.f32 $0, $1, 0f{np.float32(levels).view(np.uint32):08X};",
+        f"div.rn.f32 $0, $1, {ptx_f32(levels)};",
         args=[a], constraints="=f,f", pack=1, result_shape_dtypes=[f32],
     )  # fmt: skip
     same = (jax.lax.bitcast_convert_type(got, jnp.int32) == jax.lax.bitcast_convert_type(

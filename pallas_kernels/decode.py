@@ -65,13 +65,14 @@ def ring_block(slots: int) -> int:
 
 
 def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP):
-    """Per-split (acc [B,H,NS,GP,D], m, l [B,H,NS,GP]) in the rotated basis.
+    """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]) in the rotated basis.
 
     ``qs`` [B, H, S, GP, D] f32, scaled (``stack_queries``): S = 1, the rotated query;
     S = 2, also the plain query, and the residual ring is the extra last split. One
     array, so that XLA builds both in one fusion. ``nq`` [B]: quantized tokens to read
-    per row (a sequence shard's own count; default ``cache.num_quantized()``). Only the
-    first ``rows`` query rows of ``acc`` are written (the real heads of the GQA group).
+    per row (a sequence shard's own count; default ``cache.num_quantized()``). The kernel
+    writes only the first ``rows`` query rows of ``acc`` (the real heads of the GQA
+    group); the padded rows are sliced off here.
     """
     kcfg = cache.cfg
     b, h, lq, db = cache.k_codes.shape
@@ -190,7 +191,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
     kwargs = (
         {} if cfg.interpret else dict(compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
     )
-    return pl.pallas_call(
+    acc, m, lsum = pl.pallas_call(
         kern,
         grid=(b, h, ns),
         in_specs=in_specs,
@@ -200,6 +201,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         name=f"oscar_decode_int{bits}",
         **kwargs,
     )(*args)
+    return acc[..., :rows, :], m[..., :rows], lsum[..., :rows]
 
 
 def merge_splits(acc, m, lsum, last_basis=None):
@@ -221,21 +223,19 @@ def merge_splits(acc, m, lsum, last_basis=None):
 
 
 def pad_query(qg, dtype=jnp.float16):
-    """[B, H, g, D] -> [B, H, GP, D] zero-padded rows."""
-    g = qg.shape[2]
+    """[..., g, D] -> [..., GP, D] zero-padded rows."""
+    g = qg.shape[-2]
     if g > GP:
         raise ValueError(f"GQA ratio {g} must be <= {GP}")
-    return jnp.pad(qg, ((0, 0), (0, 0), (0, GP - g), (0, 0))).astype(dtype)
+    pad = [(0, 0)] * qg.ndim
+    pad[-2] = (0, GP - g)
+    return jnp.pad(qg, pad).astype(dtype)
 
 
 def stack_queries(scale, *qgs):
     """[B, H, g, D] queries -> [B, H, len(qgs), GP, D] f32, scaled, zero-padded rows: one
     XLA fusion (a pad per query and a multiply were three launches, ~1 us each)."""
-    g = qgs[0].shape[2]
-    if g > GP:
-        raise ValueError(f"GQA ratio {g} must be <= {GP}")
-    x = jnp.stack(qgs, axis=2).astype(jnp.float32) * scale  # [B, H, S, g, D]
-    return jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, GP - g), (0, 0)))
+    return pad_query(jnp.stack(qgs, axis=2).astype(jnp.float32) * scale, jnp.float32)
 
 
 def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
@@ -262,15 +262,16 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
         q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
         unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
-        acc, m, lsum = quantized_partials(stack_queries(scale, q_rot, qg), cache, cfg, rows=g)
-        acc, m, lsum = merge_splits(acc[..., :g, :], m[..., :g], lsum[..., :g], last_basis=unrot)
+        parts = quantized_partials(stack_queries(scale, q_rot, qg), cache, cfg, rows=g)
+        acc, m, lsum = merge_splits(*parts, last_basis=unrot)
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
         return out.reshape(b, hq, d).astype(q.dtype)
     parts = [residual_partial(qg, cache, scale)]
     if cache.quant_capacity:
         q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
-        acc, m, lsum = quantized_partials(stack_queries(scale, q_rot), cache, cfg, rows=g)
-        acc, m, lsum = merge_splits(acc[..., :g, :], m[..., :g], lsum[..., :g])
+        acc, m, lsum = merge_splits(
+            *quantized_partials(stack_queries(scale, q_rot), cache, cfg, rows=g)
+        )
         if kcfg.rotate_values:
             acc = hadamard.unrotate(acc, kcfg, dense=True)
         parts.append((acc, m, lsum))
@@ -305,8 +306,8 @@ def quantized_partial_pallas(q_rot, cache, scale, *, offset=0, **options):
         z = jnp.zeros((b, h, g), jnp.float32)
         return jnp.zeros_like(q_rot), z - jnp.inf, z
     nq = jnp.clip(cache.num_quantized().astype(jnp.int32) - offset, 0, lq)
-    acc, m, lsum = quantized_partials(stack_queries(scale, q_rot), cache, cfg, nq=nq, rows=g)
-    return merge_splits(acc[..., :g, :], m[..., :g], lsum[..., :g])
+    parts = quantized_partials(stack_queries(scale, q_rot), cache, cfg, nq=nq, rows=g)
+    return merge_splits(*parts)
 
 
 oscar_jax.register_decode_attention("pallas", decode_attention_pallas)

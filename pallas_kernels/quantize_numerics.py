@@ -19,6 +19,11 @@ from jax.experimental.pallas import triton as plgpu
 from oscar_jax import quant
 
 
+def ptx_f32(x) -> str:
+    """A float32 constant as a PTX hex literal (``0f3F800000`` for 1.0)."""
+    return f"0f{np.float32(x).view(np.uint32):08X}"
+
+
 def _div(a, b, spec):
     """a / b in f32: IEEE-rounded (div.rn) or via a reciprocal, per the tuning."""
     if not spec.tuning.exact_division:  # one IEEE reciprocal per row/column, then multiply
@@ -45,14 +50,13 @@ def markstein_div_asm(levels: int) -> str:
     (``benchmarks/check_division.py``); the kernel divides only ``max - min >= 0``.
     """
     rcp = np.float32(1.0) / np.float32(levels)
-    hexf = lambda x: f"0f{np.float32(x).view(np.uint32):08X}"  # noqa: E731
     return "\n".join([
         "{",
         ".reg .f32 q, r, t;",
         ".reg .pred p;",
-        f"mul.rn.f32 q, $1, {hexf(rcp)};",
-        f"fma.rn.f32 r, q, {hexf(-levels)}, $1;",
-        f"fma.rn.f32 t, r, {hexf(rcp)}, q;",
+        f"mul.rn.f32 q, $1, {ptx_f32(rcp)};",
+        f"fma.rn.f32 r, q, {ptx_f32(-levels)}, $1;",
+        f"fma.rn.f32 t, r, {ptx_f32(rcp)}, q;",
         "testp.finite.f32 p, $1;",
         "selp.f32 $0, t, q, p;",
         "}",
@@ -89,7 +93,7 @@ def _codes(v, levels: int, spec, into=None, shift: int = 0):
         "{",
         ".reg .f32 t;",
         "max.f32 t, $1, 0f00000000;",
-        f"min.f32 t, t, 0f{np.float32(levels).view(np.uint32):08X};",
+        f"min.f32 t, t, {ptx_f32(levels)};",
         "add.rn.f32 t, t, 0f4B400000;",
     ]
     if into is None:
