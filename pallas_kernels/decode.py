@@ -64,6 +64,20 @@ def ring_block(slots: int) -> int:
     return min(64, slots & -slots)
 
 
+def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
+    """Token sub-blocks S of the INT kernel (``DecodeConfig.token_split``; 0 = auto: 2
+    where it applies). S = 2 needs 2 x GQA ratio <= 16 MMA rows, G >= 32 and 16-bit
+    token norms (read as uint32 pairs)."""
+    g, ndt = cache.cfg.group_size, jnp.dtype(cache.k_norm.dtype)
+    fits = 2 * rows <= GP and g >= 32 and ndt.itemsize == 2
+    if cfg.token_split == 2 and not fits:
+        raise ValueError(
+            f"token_split=2 needs 2 x GQA ratio <= {GP}, group_size >= 32 and 16-bit norms; "
+            f"got GQA ratio {rows}, group_size={g}, norms {ndt.name}"
+        )
+    return cfg.token_split or (2 if fits else 1)
+
+
 def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP):
     """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]) in the rotated basis.
 
@@ -72,7 +86,9 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
     array, so that XLA builds both in one fusion. ``nq`` [B]: quantized tokens to read
     per row (a sequence shard's own count; default ``cache.num_quantized()``). The kernel
     writes only the first ``rows`` query rows of ``acc`` (the real heads of the GQA
-    group); the padded rows are sliced off here.
+    group); the padded rows are sliced off here. With two token sub-blocks
+    (``token_split``) each split comes back as 2 consecutive splits (the fused ring,
+    whose other rows are not attention, stays one last split).
     """
     kcfg = cache.cfg
     b, h, lq, db = cache.k_codes.shape
@@ -91,6 +107,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
             f"head_dim={d} with bits={bits}, value group {gv} gives MMA tiles of "
             f"{min(p_w, gv)} channels; the kernel needs >= 16"
         )
+    sub = token_split(cfg, cache, rows)
     bps = min(cfg.blocks_per_split, lq // t)
     ns = -(-(lq // t) // bps)
     hn = cache.k_norm.shape[1]
@@ -103,7 +120,9 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         raise ValueError(f"nq.shape={jnp.shape(nq)} must be ({b},), without the fused ring")
     else:
         nq = jnp.asarray(nq, jnp.int32)
-    kc = cache.k_codes.reshape(b, h, lq // g, g, db)
+    kc = cache.k_codes.reshape(b, h, lq // g, g // sub, sub * db)  # free: same bytes
+    if sub > 1:  # rows (j, h): query head h for sub-block j
+        qs = pad_query(jnp.tile(qs[:, :, :, :rows], (1, 1, 1, sub, 1)), jnp.float32)
     v_scale, v_zero, vpair, nvp = cache.v_scale, cache.v_zero, None, d // gv
     pdt = jnp.dtype(kcfg.scale_dtype)
     pair_ok = pdt.itemsize == 2 and nvp % 2 == 0
@@ -122,6 +141,10 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
     ring = (cfg.ring_rows or ring_block(cache.slots)) if fused else 0
     if ring and cache.slots % ring:
         raise ValueError(f"ring_rows={ring} must divide the ring's {cache.slots} slots")
+    k_norm, kn_shape, knpair = cache.k_norm, (lq,), None
+    if sub == 2:  # 16-bit norms as uint32 pairs: [Lq / 2], low half the even token
+        knpair, kn_shape = k_norm.dtype, (lq // 2,)
+        k_norm = jax.lax.bitcast_convert_type(k_norm.reshape(b, hn, lq // 2, 2), jnp.uint32)
     kern = functools.partial(
         int_kernel,
         bits=bits,
@@ -135,7 +158,9 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         ring=ring,
         vpair=vpair,
         vtile=cfg.vparams == "tile",
-        rows=rows,
+        rows=sub * rows,
+        sub=sub,
+        knpair=knpair,
     )
 
     def full(*shape):
@@ -147,11 +172,12 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
     in_specs = [
         pl.BlockSpec((1,), lambda i, j, s: (i,)),
         query(0),
-        full(lq // g, g, db),
+        full(lq // g, g // sub, sub * db),
         full(lq // g, d),
         full(lq // g, d),
         pl.BlockSpec(
-            (None, None, lq), (lambda i, j, s: (i, j, 0)) if hn > 1 else (lambda i, j, s: (i, 0, 0))
+            (None, None, *kn_shape),
+            lambda i, j, s: (i, j if hn > 1 else 0) + (0,) * len(kn_shape),
         ),
         full(lq, db),
         full(lq, nvp),
@@ -163,7 +189,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         kc,
         cache.k_scale,
         cache.k_zero,
-        cache.k_norm,
+        k_norm.reshape(b, hn, *kn_shape),
         cache.v_codes,
         v_scale,
         v_zero,
@@ -201,7 +227,15 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         name=f"oscar_decode_int{bits}",
         **kwargs,
     )(*args)
-    return acc[..., :rows, :], m[..., :rows], lsum[..., :rows]
+    if sub == 1:
+        return acc[..., :rows, :], m[..., :rows], lsum[..., :rows]
+    nsq = ns - 1 if ring else ns
+
+    def splits(x):  # [B, H, NS, GP(, D)] -> [B, H, NS * S (+ 1), rows(, D)]
+        q = x[:, :, :nsq, : sub * rows].reshape(b, h, nsq * sub, rows, *x.shape[4:])
+        return jnp.concatenate([q, x[:, :, nsq:, :rows]], axis=2) if ring else q
+
+    return splits(acc), splits(m), splits(lsum)
 
 
 def merge_splits(acc, m, lsum, last_basis=None):

@@ -68,6 +68,15 @@ class DecodeConfig:
       reads the G tokens' [G, D/Gv] parameters as one contiguous tile and needs no
       per-call re-pack (the pairs' bitcast is a copy of both arrays in XLA), yet ran 3-8%
       slower than "pair" at every shape timed on the H200 (2026-11-30, session 8).
+    token_split: token sub-blocks per key group in the INT kernel's MMA rows: 2, 1 (off)
+      or 0 (auto: 2 where it applies, i.e. 2 x GQA ratio <= 16, G >= 32 and 16-bit
+      norms). Rows (j, h) hold query head h over the tokens j, j + 2, ..: the key tile
+      of G tokens is read as [G / 2, 2 P] (the same bytes), the query as a block-
+      diagonal A operand, so one key MMA and one softmax step serve 2 tokens on rows
+      GQA leaves idle; the merge treats each sub-block as one more split. Offline 1,563
+      against 1,760 loop instructions per 64 tokens, but 255 registers against 188; on
+      the H200 (session 12) 1 x 128K 0.1034 -> 0.1007 ms, 8 x 32K 0.1949 -> 0.1886,
+      48 x 4K 0.1670 -> 0.1635.
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -81,6 +90,7 @@ class DecodeConfig:
     ablate: str = ""  # benchmark-only: "no_v" leaves the value path out (wrong results)
     ring_rows: int = 0
     vparams: str = "auto"
+    token_split: int = 0
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -91,6 +101,8 @@ class DecodeConfig:
             raise ValueError(f"block_tokens={self.block_tokens} must be a power of two >= 16")
         if not _pow2(self.num_warps):
             raise ValueError(f"num_warps={self.num_warps} must be a power of two")
+        if isinstance(self.token_split, bool) or self.token_split not in (0, 1, 2):
+            raise ValueError(f"token_split={self.token_split!r} must be 0 (auto), 1 or 2")
         rr = self.ring_rows
         if isinstance(rr, bool) or not isinstance(rr, int | np.integer) or rr < 0:
             raise ValueError(f"ring_rows={rr!r} must be a non-negative int")

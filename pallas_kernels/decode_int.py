@@ -196,6 +196,8 @@ def _int_quant_part(
     vpair=None,
     vtile=False,
     rows=GP,
+    sub=1,
+    knpair=None,
 ):
     """One block of T tokens = T / G key groups, one online-softmax step per block.
 
@@ -217,6 +219,18 @@ def _int_quant_part(
     ``vtile``: the parameters of G tokens are read as one contiguous [G, D / Gv] tile
     (wide cp.async, no re-pack of the cache outside the kernel) and each group's
     column is taken by a masked row sum (exact: one non-zero term).
+
+    ``sub`` = S = 2 (``DecodeConfig.token_split``): row r of the MMA holds query head
+    r mod (rows / S) for the tokens j, j + S, j + 2S, .. of each group, j = r // (rows /
+    S): the key tile is [G / S, S * P] (S tokens per row), the query plane a block-
+    diagonal [GP, S * P] (built here once from the row-tiled query), the scores
+    [GP, G / S], and p is spread back to [GP, G] (zero off the row's tokens) for the
+    value dot, which keeps its [G, W] tile: by a dot with a 0/1 matrix, which stays in
+    registers where a broadcast + reshape went through shared memory (offline: 1,563
+    against 1,585 loop instructions). Each row is its own online softmax.
+    S = 2 only: ``kn_ref`` is then the 16-bit norms (dtype ``knpair``) as [Lq / 2] uint32
+    pairs, 4-byte elements that Triton pipelines (strided 2-byte column loads stay
+    synchronous ld.global.b16 and ran 4-8% slower on the H200).
     """
     f32, f16, bf16 = jnp.float32, jnp.float16, jnp.bfloat16
     # value MMA dtype: float16 with float16 parameters (their range bounds the values, and
@@ -232,23 +246,60 @@ def _int_quant_part(
     nblk = jnp.clip((nq - start + t - 1) // t, 0, bps)
     nt = (((1,), (1,)), ((), ()))  # x @ y.T
     nn = (((1,), (0,)), ((), ()))  # x @ y
-    qs = [q_ref[:, pl.ds(i * p_w, p_w)].astype(f16) for i in range(c)]  # [GP, P] each
+    g2, sp = g // sub, sub * p_w  # score columns per group, key-tile width
+
+    def iota(shape, axis):
+        return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+    def tile(x):  # [R, P] -> [R, S * P] = [x, .., x]
+        r, n = x.shape
+        return x if sub == 1 else jnp.broadcast_to(x[:, None, :], (r, sub, n)).reshape(r, sub * n)
+
+    def row_sub(shape):  # the sub-block j of each MMA row, [shape] int32
+        return jnp.minimum(iota(shape, 0) // (rows // sub), sub - 1)
+
+    qs = [tile(q_ref[:, pl.ds(i * p_w, p_w)]) for i in range(c)]  # [GP, S * P] per plane
+    if sub > 1:
+        diag = row_sub((GP, sp)) == iota((GP, sp), 1) // p_w
+        qs = [jnp.where(diag, x, 0.0) for x in qs]  # block-diagonal
+    qs = [x.astype(f16) for x in qs]
+
+    def norms(t0):
+        """[GP, G / S] f32 token norms of the score tile at t0 (see ``knpair``)."""
+        if sub == 1:
+            return kn_ref[pl.ds(t0, g)].astype(f32)[None, :]
+        word = kn_ref[pl.ds(t0 // 2, g2)]  # [G / 2] uint32: tokens 2t' (low half), 2t' + 1
+        rj, out = row_sub((GP, g2)), jnp.zeros((GP, g2), f32)
+        for j in range(2):
+            half = ((word >> (16 * j)) & 0xFFFF).astype(jnp.uint16)
+            col = jax.lax.bitcast_convert_type(half, knpair).astype(f32)
+            out = jnp.where(rj == j, col[None, :], out)
+        return out
 
     def scores(gi, t0):
-        """[GP, G] scores (invalid tokens at NEG) of key group gi starting at token t0."""
-        kb = kc_ref[gi, :, :]  # [G, P] uint8
-        shp = (g, p_w)
-        ks = [jnp.broadcast_to(ks_ref[pl.ds(gi, 1), pl.ds(i * p_w, p_w)].astype(f16), shp)
-              for i in range(c)]  # [G, P] per plane  # fmt: skip
-        kz = [jnp.broadcast_to(kz_ref[pl.ds(gi, 1), pl.ds(i * p_w, p_w)].astype(f16), shp)
+        """[GP, G / S] scores (invalid tokens at NEG) of key group gi starting at token t0."""
+        kb = kc_ref[gi, :, :]  # [G / S, S * P] uint8
+        shp = (g2, sp)
+        ks = [jnp.broadcast_to(tile(ks_ref[pl.ds(gi, 1), pl.ds(i * p_w, p_w)].astype(f16)), shp)
+              for i in range(c)]  # [G / S, S * P] per plane  # fmt: skip
+        kz = [jnp.broadcast_to(tile(kz_ref[pl.ds(gi, 1), pl.ds(i * p_w, p_w)].astype(f16)), shp)
               for i in range(c)]  # fmt: skip
-        kh = _dequant(kb, bits, asm, f16, ks, kz)  # [G, P] f16 keys per plane, MMA layout
-        s = jnp.zeros((GP, g), f32)
+        kh = _dequant(kb, bits, asm, f16, ks, kz)  # f16 keys per plane, MMA layout
+        s = jnp.zeros((GP, g2), f32)
         for i in range(c):
             s = s + jax.lax.dot_general(qs[i], kh[i], nt, preferred_element_type=f32)
-        s = s * kn_ref[pl.ds(t0, g)].astype(f32)[None, :]
-        valid = t0 + jax.lax.broadcasted_iota(jnp.int32, (GP, g), 1) < nq
+        s = s * norms(t0)
+        tok = t0 + sub * iota((GP, g2), 1) + (row_sub((GP, g2)) if sub > 1 else 0)
+        valid = tok < nq
         return jnp.where(valid, s, NEG), valid
+
+    def spread(p):
+        """[GP, G / S] -> [GP, G]: each row's weights at its own tokens, zero elsewhere."""
+        if sub == 1:
+            return p
+        e = (iota((g2, g), 1) // sub == iota((g2, g), 0)).astype(p.dtype)  # [G / S, G]
+        pe = jax.lax.dot_general(p, e, nn, preferred_element_type=f32)  # exact: one term
+        return jnp.where(iota((GP, g), 1) % sub == row_sub((GP, g)), pe, 0.0)
 
     def vparam(ref, q, tg, words):
         """[G] value scale / zero (``vdt``) of group q for tokens tg.. (see ``vpair``)."""
@@ -284,7 +335,7 @@ def _int_quant_part(
         new_accs = [a * corr[:, None] for a in accs]
         for jg, p in enumerate(ps):
             tg = t0 + jg * g
-            pb = p.astype(vdt)  # one operand conversion per group, shared by every plane
+            pb = spread(p.astype(vdt)).astype(vdt)  # one conversion per group, every plane
             words = {}  # vpair: one [G] uint32 load serves value groups 2k and 2k + 1
             for j in range(nchunk):
                 grps = [(i * p_w + j * w) // gv for i in range(c)]

@@ -69,8 +69,8 @@ CASES = {
         dict(method="oscar", max_len=768),
         dict(block_tokens=64, blocks_per_split=3, vparams="col", ring_rows=16),
     ),
-    "int2_d64_gqa8_vpair": (
-        dict(method="oscar", d=64, gqa=8, h=1, lens=(517, 40)),
+    "int2_d64_gqa8_vpair_f32norms": (  # float32 norms: token_split auto -> 1
+        dict(method="oscar", d=64, gqa=8, h=1, lens=(517, 40), norm_dtype="float32"),
         dict(vparams="pair", num_warps=4),
     ),
     # opt-in: value parameters as one [G, D/Gv] tile per group (no re-pack outside)
@@ -93,6 +93,24 @@ CASES = {
         ),
         dict(vparams="col"),
     ),  # fmt: skip
+    # token_split: auto (0) takes 2 sub-blocks where it applies (most cases above);
+    # 1 keeps one, and 2 is checked explicitly on the shapes it takes
+    "int2_d128_gqa4_split1_ragged": (
+        dict(method="oscar", lens=(700, 33, 0, 161), max_len=768),
+        dict(block_tokens=64, blocks_per_split=3, token_split=1),
+    ),
+    "int2_d128_gqa8_split2_per_token_noring": (
+        dict(method="oscar", gqa=8, h=1, lens=(517, 40), norm_granularity="per_token"),
+        dict(token_split=2, fuse_ring=False),
+    ),
+    "int4_d64_gqa1_split2_g64": (
+        dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200), group_size=64),
+        dict(token_split=2),
+    ),
+    "int2_d256_gqa4_split1_f16params": (
+        dict(method="oscar", d=256, h=1, lens=(905, 131), param_dtype="float16"),
+        dict(block_tokens=128, blocks_per_split=2, token_split=1),
+    ),
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
         dict(block_tokens=64, blocks_per_split=2),
@@ -163,6 +181,16 @@ class TestDecodeKernelGPU:
         self.decode(q[..., :64], c64)  # "auto" falls back to 2-byte columns
         with pytest.raises(ValueError, match="GQA ratio"):
             self.decode(jnp.repeat(q[:, :1], 32, axis=1), cache)
+        with pytest.raises(ValueError, match="token_split"):
+            self.decode(q, cache, token_split=4)
+        with pytest.raises(ValueError, match="token_split"):
+            self.decode(jnp.repeat(q, 8, axis=1), cache, token_split=2)  # 2 x 16 rows
+        c32 = oj.init_cache(
+            oj.preset("oscar", norm_dtype="float32"), batch=1, max_len=512, num_kv_heads=1,
+            head_dim=128,
+        )  # fmt: skip
+        with pytest.raises(ValueError, match="16-bit norms"):
+            self.decode(q, c32, token_split=2)
         with pytest.raises(ValueError, match="bits"):
             self.decode(*empty(bits=3, d=64))
         with pytest.raises(ValueError, match="head_dim"):
@@ -182,10 +210,19 @@ def test_heuristic_config():
         pdec.DecodeConfig(ablate="nope")
     with pytest.raises(ValueError, match="unpack"):
         pdec.DecodeConfig(unpack="nope")
-    for bad in (dict(vparams="nope"), dict(ring_rows=24), dict(ring_rows=8), dict(ring_rows=-1)):
+    for bad in (
+        dict(vparams="nope"),
+        dict(ring_rows=24),
+        dict(ring_rows=8),
+        dict(ring_rows=-1),
+        dict(token_split=3),
+        dict(token_split=4),
+        dict(token_split=-1),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pdec.DecodeConfig(**bad)
     assert pdec.DecodeConfig().vparams == "auto" and pdec.DecodeConfig().ring_rows == 0
+    assert pdec.DecodeConfig().token_split == 0  # auto
     assert pdec.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
     assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
@@ -197,6 +234,7 @@ def test_heuristic_config():
         ("oscar", {"fuse_ring": False}),
         ("oscar", {"vparams": "col", "ring_rows": 16}),
         ("oscar", {"vparams": "tile"}),
+        ("oscar", {"token_split": 1}),
         ("bf16", {}),
     ],
 )
