@@ -65,9 +65,12 @@ def ring_block(slots: int) -> int:
 
 
 def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
-    """Token sub-blocks S of the INT kernel (``DecodeConfig.token_split``; 0 = auto: 2
-    where it applies). S = 2 needs 2 x GQA ratio <= 16 MMA rows, G >= 32 and 16-bit
-    token norms (read as uint32 pairs)."""
+    """Token sub-blocks S of the INT kernel (``DecodeConfig.token_split``). S = 2 needs
+    2 x GQA ratio <= 16 MMA rows, G >= 32 and 16-bit token norms (read as uint32 pairs).
+    Auto (0) takes 2 where it applies and a split walks >= 4 blocks: twice the partials
+    cost more in the merge than the kernel saves on short splits (H200, session 12:
+    1 x 4K at 1 block per split 0.0180 ms with 2, 0.0171 with 1; 32 blocks per split
+    gain 2-3% at 1 x 128K and 8 x 32K; the threshold between is not measured)."""
     g, ndt = cache.cfg.group_size, jnp.dtype(cache.k_norm.dtype)
     fits = 2 * rows <= GP and g >= 32 and ndt.itemsize == 2
     if cfg.token_split == 2 and not fits:
@@ -75,7 +78,8 @@ def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
             f"token_split=2 needs 2 x GQA ratio <= {GP}, group_size >= 32 and 16-bit norms; "
             f"got GQA ratio {rows}, group_size={g}, norms {ndt.name}"
         )
-    return cfg.token_split or (2 if fits else 1)
+    long = min(cfg.blocks_per_split, cache.quant_capacity // cfg.block_tokens) >= 4
+    return cfg.token_split or (2 if fits and long else 1)
 
 
 def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP):

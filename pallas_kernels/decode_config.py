@@ -70,13 +70,14 @@ class DecodeConfig:
       slower than "pair" at every shape timed on the H200 (2026-11-30, session 8).
     token_split: token sub-blocks per key group in the INT kernel's MMA rows: 2, 1 (off)
       or 0 (auto: 2 where it applies, i.e. 2 x GQA ratio <= 16, G >= 32 and 16-bit
-      norms). Rows (j, h) hold query head h over the tokens j, j + 2, ..: the key tile
-      of G tokens is read as [G / 2, 2 P] (the same bytes), the query as a block-
-      diagonal A operand, so one key MMA and one softmax step serve 2 tokens on rows
-      GQA leaves idle; the merge treats each sub-block as one more split. Offline 1,563
-      against 1,760 loop instructions per 64 tokens, but 255 registers against 188; on
-      the H200 (session 12) 1 x 128K 0.1034 -> 0.1007 ms, 8 x 32K 0.1949 -> 0.1886,
-      48 x 4K 0.1670 -> 0.1635.
+      norms, and each split walks >= 4 blocks; ``decode.token_split``). Rows (j, h)
+      hold query head h over the tokens j, j + 2, ..: the key tile of G tokens is read
+      as [G / 2, 2 P] (the same bytes), the query as a block-diagonal A operand, so one
+      key MMA and one softmax step serve 2 tokens on rows GQA leaves idle; the merge
+      treats each sub-block as one more split. Offline 1,563 against 1,760 loop
+      instructions per 64 tokens, but 255 registers against 188; on the H200 (session
+      12, same run) 1 x 128K 0.1036 -> 0.1011 ms, 8 x 32K 0.1936 -> 0.1871, 48 x 4K
+      0.1658 -> 0.1655, and 1 x 4K (1 block per split) 0.0171 -> 0.0180.
     interpret: run in Pallas interpret mode (CPU).
     """
 

@@ -85,7 +85,7 @@ CASES = {
     # float16 scales / zeros: float16 value MMA, no parameter conversions in the kernel
     "int2_d128_gqa4_f16params": (
         dict(method="oscar", param_dtype="float16", max_len=768),
-        dict(block_tokens=64, blocks_per_split=3),
+        dict(block_tokens=64, blocks_per_split=4),
     ),
     "int4_d64_gqa4_f16params_f16cache_vcol": (
         dict(
@@ -93,11 +93,11 @@ CASES = {
         ),
         dict(vparams="col"),
     ),  # fmt: skip
-    # token_split: auto (0) takes 2 sub-blocks where it applies (most cases above);
-    # 1 keeps one, and 2 is checked explicitly on the shapes it takes
-    "int2_d128_gqa4_split1_ragged": (
+    # token_split: auto (0) takes 2 sub-blocks where it applies and a split walks >= 4
+    # blocks (int2_d128_gqa4_f16params), else 1 (most cases above); 2 explicitly
+    "int2_d128_gqa4_split2_ragged": (
         dict(method="oscar", lens=(700, 33, 0, 161), max_len=768),
-        dict(block_tokens=64, blocks_per_split=3, token_split=1),
+        dict(block_tokens=64, blocks_per_split=3, token_split=2),
     ),
     "int2_d128_gqa8_split2_per_token_noring": (
         dict(method="oscar", gqa=8, h=1, lens=(517, 40), norm_granularity="per_token"),
@@ -107,9 +107,9 @@ CASES = {
         dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200), group_size=64),
         dict(token_split=2),
     ),
-    "int2_d256_gqa4_split1_f16params": (
+    "int2_d256_gqa4_split2_f16params": (
         dict(method="oscar", d=256, h=1, lens=(905, 131), param_dtype="float16"),
-        dict(block_tokens=128, blocks_per_split=2, token_split=1),
+        dict(block_tokens=128, blocks_per_split=2, token_split=2),
     ),
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
@@ -223,6 +223,17 @@ def test_heuristic_config():
             pdec.DecodeConfig(**bad)
     assert pdec.DecodeConfig().vparams == "auto" and pdec.DecodeConfig().ring_rows == 0
     assert pdec.DecodeConfig().token_split == 0  # auto
+
+    def split(bps=8, gqa=4, lq=1024, **kw):
+        c = oj.init_cache(oj.preset("oscar", **kw), batch=1, max_len=lq, num_kv_heads=1,
+                          head_dim=128)  # fmt: skip
+        cfg = pdec.DecodeConfig(block_tokens=64, blocks_per_split=bps, interpret=True)
+        return pdec.token_split(cfg, c, gqa)
+
+    assert split() == 2 and split(gqa=8) == 2 and split(gqa=1) == 2
+    assert split(bps=3) == 1 and split(lq=128) == 1  # short splits: 3 blocks, none
+    assert split(gqa=16) == 1 and split(group_size=16) == 1
+    assert split(norm_dtype="float32") == 1 and split(norm_dtype="float16") == 2
     assert pdec.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
     assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
