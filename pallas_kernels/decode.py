@@ -82,9 +82,7 @@ def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
     return cfg.token_split or (2 if fits and long else 1)
 
 
-def quantized_partials(
-    qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP, raw_splits: int = 0
-):
+def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP):
     """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]) in the rotated basis.
 
     ``qs`` [B, H, S, GP, D] f32, scaled (``stack_queries``): S = 1, the rotated query;
@@ -94,9 +92,7 @@ def quantized_partials(
     writes only the first ``rows`` query rows of ``acc`` (the real heads of the GQA
     group); the padded rows are sliced off here. With two token sub-blocks
     (``token_split``) each split comes back as 2 consecutive splits (the fused ring,
-    whose other rows are not attention, stays one last split). ``raw_splits`` = C > 0:
-    return the kernel's outputs as they are, the split axis allocated to a multiple of C
-    (unwritten beyond the splits; see ``decode_merge.finish``), plus (NS, S).
+    whose other rows are not attention, stays one last split).
     """
     kcfg = cache.cfg
     b, h, lq, db = cache.k_codes.shape
@@ -217,11 +213,10 @@ def quantized_partials(
         pl.BlockSpec((None, None, None, GP), lambda i, j, s: (i, j, s, 0)),
     ]
     f32 = jnp.float32
-    nsa = -(-ns // raw_splits) * raw_splits if raw_splits else ns
     out_shape = [
-        jax.ShapeDtypeStruct((b, h, nsa, GP, d), f32),
-        jax.ShapeDtypeStruct((b, h, nsa, GP), f32),
-        jax.ShapeDtypeStruct((b, h, nsa, GP), f32),
+        jax.ShapeDtypeStruct((b, h, ns, GP, d), f32),
+        jax.ShapeDtypeStruct((b, h, ns, GP), f32),
+        jax.ShapeDtypeStruct((b, h, ns, GP), f32),
     ]
     kwargs = (
         {} if cfg.interpret else dict(compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
@@ -236,8 +231,6 @@ def quantized_partials(
         name=f"oscar_decode_int{bits}",
         **kwargs,
     )(*args)
-    if raw_splits:
-        return acc, m, lsum, (ns, sub)
     if sub == 1:
         return acc[..., :rows, :], m[..., :rows], lsum[..., :rows]
     nsq = ns - 1 if ring else ns
@@ -306,20 +299,8 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
     if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
         q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
-        qs = stack_queries(scale, q_rot, qg)
-        if cfg.merge == "pallas":
-            from pallas_kernels import decode_merge
-
-            *raw, (ns, sub) = quantized_partials(
-                qs, cache, cfg, rows=g, raw_splits=decode_merge.CHUNK
-            )
-            rot = None
-            if kcfg.rotate_values:
-                rot = jnp.asarray(hadamard.rotation_matrix(kcfg, d), f32)
-            out = decode_merge.finish(*raw, rot, cfg, ns=ns, rows=g, sub=sub)
-            return out.reshape(b, hq, d).astype(q.dtype)
         unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
-        parts = quantized_partials(qs, cache, cfg, rows=g)
+        parts = quantized_partials(stack_queries(scale, q_rot, qg), cache, cfg, rows=g)
         acc, m, lsum = merge_splits(*parts, last_basis=unrot)
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
         return out.reshape(b, hq, d).astype(q.dtype)

@@ -78,9 +78,6 @@ class DecodeConfig:
       instructions per 64 tokens, but 255 registers against 188; on the H200 (session
       12, same run) 1 x 128K 0.1036 -> 0.1011 ms, 8 x 32K 0.1936 -> 0.1871, 48 x 4K
       0.1658 -> 0.1655, and 1 x 4K (1 block per split) 0.0171 -> 0.0180.
-    merge: the tail of a fused-ring call (merge the splits, un-rotate, add the ring,
-      normalise): "xla" (five XLA launches) or "pallas" (one launch,
-      ``decode_merge.finish``).
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -95,7 +92,6 @@ class DecodeConfig:
     ring_rows: int = 0
     vparams: str = "auto"
     token_split: int = 0
-    merge: str = "xla"
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -117,8 +113,6 @@ class DecodeConfig:
             raise ValueError(f"vparams={self.vparams!r} must be 'auto', 'col', 'pair' or 'tile'")
         if self.ablate not in ("", "no_v"):
             raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
-        if self.merge not in ("xla", "pallas"):
-            raise ValueError(f"merge={self.merge!r} must be 'xla' or 'pallas'")
         if self.unpack not in ("asm", "jnp"):
             raise ValueError(f"unpack={self.unpack!r} must be 'asm' or 'jnp'")
         for name in ("fuse_ring",):

@@ -7,7 +7,6 @@ tokens; lengths are not multiples of any block; batches mix long rows, rows whol
 in the residual (nq = 0) and empty rows.
 """
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,21 +111,6 @@ CASES = {
         dict(method="oscar", d=256, h=1, lens=(905, 131), param_dtype="float16"),
         dict(block_tokens=128, blocks_per_split=2, token_split=2),
     ),
-    # the call's tail (split merge, un-rotation, ring, normalisation) in one Pallas launch
-    "int2_d128_gqa4_split2_merge_pallas": (
-        dict(method="oscar", lens=(700, 33, 0, 161), max_len=768),
-        dict(block_tokens=64, blocks_per_split=3, token_split=2, merge="pallas"),
-    ),
-    "int4_d256_gqa8_merge_pallas_random_orthogonal": (
-        dict(
-            method="oscar", bits=4, d=256, gqa=8, h=1, lens=(905, 131), rotation="random_orthogonal"
-        ),
-        dict(block_tokens=128, blocks_per_split=2, merge="pallas"),
-    ),  # fmt: skip
-    "kivi_int2_d64_gqa1_merge_pallas": (
-        dict(method="kivi", d=64, gqa=1, lens=(517, 0, 64)),
-        dict(merge="pallas"),
-    ),
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
         dict(block_tokens=64, blocks_per_split=2),
@@ -165,46 +149,6 @@ class TestDecodeKernelGPU:
         if empty.any():  # a row with no tokens returns zeros
             assert float(jnp.max(jnp.abs(out[empty]))) == 0.0
 
-    @pytest.mark.parametrize(
-        "rows,sub,ns,rotate", [(4, 2, 7, True), (1, 1, 2, False), (8, 2, 5, True)]
-    )
-    def test_merge_kernel_matches_xla_tail(self, rows, sub, ns, rotate):
-        """decode_merge.finish on random partials, NaN wherever the INT kernel writes
-        nothing, against merge_splits + normalisation on the rows and splits it wrote."""
-        from pallas_kernels import decode_merge
-
-        b, h, d, gp = 2, 3, 64, pdec.GP
-        nsp = -(-ns // decode_merge.CHUNK) * decode_merge.CHUNK
-        k = jax.random.split(jax.random.PRNGKey(ns + rows), 4)
-        acc = jax.random.normal(k[0], (b, h, nsp, gp, d))
-        m = 3.0 * jax.random.normal(k[1], (b, h, nsp, gp))
-        lsum = jax.random.uniform(k[2], (b, h, nsp, gp), minval=0.5, maxval=20.0)
-        empty = jax.random.bernoulli(k[3], 0.3, (b, h, nsp, gp))  # splits with no tokens
-        m, lsum = jnp.where(empty, -1e30, m), jnp.where(empty, 0.0, lsum)
-        split, row = np.arange(nsp)[:, None], np.arange(gp)[None, :]
-        written = (split < ns - 1) & (row < sub * rows) | (split == ns - 1) & (row < rows)
-        acc = jnp.where(written[..., None], acc, jnp.nan)
-        m, lsum = jnp.where(written, m, jnp.nan), jnp.where(written, lsum, jnp.nan)
-        rot = jnp.asarray(
-            np.linalg.qr(np.random.default_rng(0).normal(size=(d, d)))[0], jnp.float32
-        )
-        cfg = pdec.DecodeConfig(interpret=self.INTERPRET)
-        out = decode_merge.finish(
-            acc, m, lsum, rot if rotate else None, cfg, ns=ns, rows=rows, sub=sub
-        )
-
-        def parts(x):  # the written rows as [B, H, (ns - 1) * sub + 1, rows(, D)]
-            q = x[:, :, : ns - 1, : sub * rows].reshape(b, h, (ns - 1) * sub, rows, *x.shape[4:])
-            return jnp.concatenate([q, x[:, :, ns - 1 : ns, :rows]], axis=2)
-
-        basis = (
-            (lambda x: jnp.einsum("...e,ed->...d", x, rot, precision="highest")) if rotate else None
-        )
-        a, _, lt = pdec.merge_splits(parts(acc), parts(m), parts(lsum), last_basis=basis)
-        ref = jnp.where(lt[..., None] > 0, a / jnp.where(lt > 0, lt, 1.0)[..., None], 0.0)
-        assert out.shape == (b, h, rows, d) and bool(jnp.all(jnp.isfinite(out)))
-        chex.assert_trees_all_close(out, ref, rtol=1e-4, atol=1e-5)
-
     def test_bad_inputs(self):
         def empty(bits=2, d=128):  # only static checks run: no kernel launch
             c = oj.init_cache(
@@ -237,8 +181,6 @@ class TestDecodeKernelGPU:
         self.decode(q[..., :64], c64)  # "auto" falls back to 2-byte columns
         with pytest.raises(ValueError, match="GQA ratio"):
             self.decode(jnp.repeat(q[:, :1], 32, axis=1), cache)
-        with pytest.raises(ValueError, match="merge"):
-            self.decode(q, cache, merge="cuda")
         with pytest.raises(ValueError, match="token_split"):
             self.decode(q, cache, token_split=4)
         with pytest.raises(ValueError, match="token_split"):
@@ -304,7 +246,6 @@ def test_heuristic_config():
         ("oscar", {"vparams": "col", "ring_rows": 16}),
         ("oscar", {"vparams": "tile"}),
         ("oscar", {"token_split": 1}),
-        ("oscar", {"merge": "pallas"}),
         ("bf16", {}),
     ],
 )
