@@ -18,7 +18,9 @@ keys and the scaled query must stay below 65504, as for any float16 kernel), the
 value MMA float16 with float16 parameters (the default) and bfloat16 otherwise (values
 of any float32 magnitude); accumulation, softmax and the
 partials are float32. Each split writes (acc, m, l), acc for the real query rows only
-(GQA 4: 4 of the 16; the merge reads those). By default the
+(GQA 4: 4 of the 16; the merge reads those). With two token sub-blocks
+(``DecodeConfig.token_split``) the padded rows carry the odd tokens: rows (j, h) hold
+head h over tokens j, j + 2, .. (see ``decode_int._int_quant_part``). By default the
 residual ring is the launch's last split (the plain f32 query split into two 16-bit
 halves, so two tensor-core dots give ~f32 accuracy; its acc stays in the original
 basis); XLA merges the splits, un-rotating the quantized splits' weighted sum once.

@@ -14,8 +14,10 @@ for the BF16 kernel, at most 32 blocks per split (57 at
 1 x 4K ran 0.0298 ms at 1 block per split, 0.0351 at 4) or 4 (BF16); for the INT
 kernel 2 warps (0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3
 pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
-The residual ring is one extra split of the same launch (``fuse_ring``). Every field
-can be overridden by keyword.
+The residual ring is one extra split of the same launch (``fuse_ring``). Two token
+sub-blocks fill the padded MMA rows where they apply and a split walks >= 4 blocks
+(``token_split``, session 12: 2-3% at 1 x 128K and 8 x 32K, slower at 1 block per
+split). Every field can be overridden by keyword.
 """
 
 from __future__ import annotations

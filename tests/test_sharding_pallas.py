@@ -51,12 +51,15 @@ def max_rel(out, ref):
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,d,bits",
-    [((1, 1, 2), 64, 2), ((1, 2, 2), 64, 2), ((2, 1, 2), 64, 2), ((1, 2, 2), 128, 2),
-     ((2, 1, 2), 64, 4)],
+    "mesh_shape,d,bits,split",
+    [((1, 1, 2), 64, 2, 0), ((1, 2, 2), 64, 2, 0), ((2, 1, 2), 64, 2, 0), ((1, 2, 2), 128, 2, 0),
+     ((2, 1, 2), 64, 4, 0), ((1, 2, 2), 64, 2, 2)],
     ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x),
 )  # fmt: skip
-def test_sharded_pallas_equals_unsharded(mesh_shape, d, bits):
+def test_sharded_pallas_equals_unsharded(mesh_shape, d, bits, split):
+    """split: the INT kernel's token sub-blocks (0: auto, which takes 1 at 2 blocks per
+    shard; 2: forced)."""
+    OPTS = dict(block_tokens=64, token_split=split)  # noqa: N806
     mesh = make_mesh(mesh_shape)
     cache, q = make_cache(bits * 10 + d, d, bits=bits)
     nq = np.asarray(cache.num_quantized())
