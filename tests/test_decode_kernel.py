@@ -107,6 +107,14 @@ CASES = {
         dict(method="oscar", bits=4, d=64, gqa=1, lens=(613, 200), group_size=64),
         dict(token_split=2),
     ),
+    "kivi_int2_d64_gqa4_split2_vcol": (  # no rotation, unit norms; 2-byte value columns
+        dict(method="kivi", d=64, h=1, lens=(517, 90)),
+        dict(token_split=2, vparams="col"),
+    ),
+    "int2_d128_gqa2_split2_vtile": (
+        dict(method="oscar", gqa=2, h=1, lens=(300, 7)),
+        dict(token_split=2, vparams="tile"),
+    ),
     "int2_d256_gqa4_split2_f16params": (
         dict(method="oscar", d=256, h=1, lens=(905, 131), param_dtype="float16"),
         dict(block_tokens=128, blocks_per_split=2, token_split=2),
