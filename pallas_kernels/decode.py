@@ -68,6 +68,12 @@ def ring_block(slots: int) -> int:
     return min(64, slots & -slots)
 
 
+def _u32_pairs(x):
+    """[..., n] 16-bit -> [..., n / 2] uint32, element 2k in the low half (a free bitcast
+    on the GPU; the kernel reads 4-byte elements, which Triton pipelines as cp.async)."""
+    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2), jnp.uint32)
+
+
 def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
     """Token sub-blocks S of the INT kernel (``DecodeConfig.token_split``). S = 2 needs
     2 x GQA ratio <= 16 MMA rows, G >= 32 and 16-bit token norms (read as uint32 pairs).
@@ -141,18 +147,13 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
                 f"got {pdt.name} and {nvp} groups (head_dim={d}, value group {gv})"
             )
         vpair, nvp = pdt, nvp // 2
-
-        def pairs(x):  # [B, H, Lq, D / Gv] 16-bit -> [B, H, Lq, D / Gv / 2] uint32
-            return jax.lax.bitcast_convert_type(x.reshape(b, h, lq, nvp, 2), jnp.uint32)
-
-        v_scale, v_zero = pairs(v_scale), pairs(v_zero)
+        v_scale, v_zero = _u32_pairs(v_scale), _u32_pairs(v_zero)  # [B, H, Lq, D / Gv / 2]
     ring = (cfg.ring_rows or ring_block(cache.slots)) if fused else 0
     if ring and cache.slots % ring:
         raise ValueError(f"ring_rows={ring} must divide the ring's {cache.slots} slots")
-    k_norm, kn_shape, knpair = cache.k_norm, (lq,), None
-    if sub == 2:  # 16-bit norms as uint32 pairs: [Lq / 2], low half the even token
-        knpair, kn_shape = k_norm.dtype, (lq // 2,)
-        k_norm = jax.lax.bitcast_convert_type(k_norm.reshape(b, hn, lq // 2, 2), jnp.uint32)
+    k_norm, knpair = cache.k_norm, None
+    if sub == 2:  # 16-bit norms as uint32 pairs: [B, Hn, Lq / 2], low half the even token
+        k_norm, knpair = _u32_pairs(k_norm), k_norm.dtype
     kern = functools.partial(
         int_kernel,
         bits=bits,
@@ -183,10 +184,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         full(lq // g, g // sub, sub * db),
         full(lq // g, d),
         full(lq // g, d),
-        pl.BlockSpec(
-            (None, None, *kn_shape),
-            lambda i, j, s: (i, j if hn > 1 else 0) + (0,) * len(kn_shape),
-        ),
+        pl.BlockSpec((None, None, k_norm.shape[-1]), lambda i, j, s: (i, j if hn > 1 else 0, 0)),
         full(lq, db),
         full(lq, nvp),
         full(lq, nvp),
@@ -197,7 +195,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         kc,
         cache.k_scale,
         cache.k_zero,
-        k_norm.reshape(b, hn, *kn_shape),
+        k_norm,
         cache.v_codes,
         v_scale,
         v_zero,

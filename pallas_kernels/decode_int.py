@@ -39,6 +39,13 @@ def _split_dot(x, y, dims, half):
     return out + jax.lax.dot_general(x_lo, y, dims, preferred_element_type=f32)
 
 
+def _half(word, j, dtype):
+    """16-bit half j (0: the low one) of uint32 words as ``dtype``: the pairs that
+    ``decode._u32_pairs`` packs (value scales / zeros, token norms)."""
+    half = ((word >> (16 * j)) & 0xFFFF).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(half, dtype)
+
+
 def _store_rows(ref, cols, val, rows):
     """ref[:, cols] = val [GP, W] for its first ``rows`` rows only (the real query heads of
     the padded GQA group): the partials' padded rows are never written nor read."""
@@ -271,9 +278,7 @@ def _int_quant_part(
         word = kn_ref[pl.ds(t0 // 2, g2)]  # [G / 2] uint32: tokens 2t' (low half), 2t' + 1
         rj, out = row_sub((GP, g2)), jnp.zeros((GP, g2), f32)
         for j in range(2):
-            half = ((word >> (16 * j)) & 0xFFFF).astype(jnp.uint16)
-            col = jax.lax.bitcast_convert_type(half, knpair).astype(f32)
-            out = jnp.where(rj == j, col[None, :], out)
+            out = jnp.where(rj == j, _half(word, j, knpair).astype(f32)[None, :], out)
         return out
 
     def scores(gi, t0):
@@ -315,8 +320,7 @@ def _int_quant_part(
         key = (id(ref), q // 2)
         if key not in words:
             words[key] = ref[pl.ds(tg, g), q // 2]  # [G] uint32: 4-byte elements
-        half = ((words[key] >> (16 * (q % 2))) & 0xFFFF).astype(jnp.uint16)
-        return jax.lax.bitcast_convert_type(half, vpair).astype(vdt)
+        return _half(words[key], q % 2, vpair).astype(vdt)
 
     def body(it, carry):
         m_prev, l_prev, accs = carry
