@@ -15,10 +15,11 @@ into (``decode_int._dequant``: bit-pattern int->float and packed 16-bit fmas, in
 PTX), so nothing but the packed bytes and their parameters crosses memory and no
 tile takes a shared-memory layout change. The key MMA is float16 (the dequantized
 keys and the scaled query must stay below 65504, as for any float16 kernel), the
-value MMA float16 with float16 parameters (the default) and bfloat16 otherwise (values
-of any float32 magnitude; with float32 parameters this rounds them to 8 bits, up to
-~2e-2 relative output error against the float32 XLA path measured, see
-benchmarks/results/decode_notes.md); accumulation, softmax and the
+value MMA float16 with float16 parameters (the default), bfloat16 with bfloat16 ones
+(values of any float32 magnitude) and, with float32 parameters, values dequantized in
+float32 and split into bfloat16 hi + lo halves for two value dots (one bfloat16
+rounding of the parameters cost up to 2e-2 relative output error against the float32
+XLA path: benchmarks/results/decode_notes.md); accumulation, softmax and the
 partials are float32. Each split writes (acc, m, l), acc for the real query rows only
 (GQA 4: 4 of the 16; the merge reads those). With two token sub-blocks
 (``DecodeConfig.token_split``) the padded rows carry the odd tokens: rows (j, h) hold

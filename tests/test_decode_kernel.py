@@ -82,6 +82,16 @@ CASES = {
         dict(method="oscar", bits=4, d=256, gqa=1, h=1, lens=(300,), param_dtype="float32"),
         dict(vparams="tile"),
     ),
+    # float32 scales / zeros: values in float32, two bfloat16 value dots (hi + lo); one
+    # bfloat16 rounding of the parameters gave 2.1e-2 / 1.2e-2 on these two cases
+    "int2_d128_gqa2_f32params": (
+        dict(method="oscar", gqa=2, h=1, lens=(300, 7), param_dtype="float32"),
+        dict(token_split=2),
+    ),
+    "int4_d64_gqa4_f32params": (
+        dict(method="oscar", bits=4, d=64, h=1, lens=(613, 200), param_dtype="float32"),
+        dict(),
+    ),
     # float16 scales / zeros: float16 value MMA, no parameter conversions in the kernel
     "int2_d128_gqa4_f16params": (
         dict(method="oscar", param_dtype="float16", max_len=768),
