@@ -4,14 +4,17 @@ Heuristic (``choose_config``): ``T = 64`` tokens per block for the INT kernel (a
 multiple of G; 64 measured faster than 32 and 128 at 1 x 128K on the H200, see
 benchmarks/results/decode_notes.md; with float16 parameters 32 still lost, 0.112 against
 0.103 ms, although it takes 168 registers instead of 188) and 128 for the BF16 kernel;
-splits so that
-``B * H * splits`` is about one wave, ``4 * 132`` programs, for the INT kernel (4
-resident per H200 SM at 255 registers; 32 blocks per split beat 16 and 8 at 1 x 128K
-and 48 x 4K; float16 parameters, the default since session 10, take 188 registers, yet
-26 blocks per split ran slower at 1 x 128K: 0.121 against 0.105 ms) and ``8 * 132``
-for the BF16 kernel, at most 32 blocks per split (57 at
-8 x 32K left a near-empty second wave: 0.280 against 0.241 ms) and at least 1 (INT:
-1 x 4K ran 0.0298 ms at 1 block per split, 0.0351 at 4) or 4 (BF16); for the INT
+for the INT kernel splits so that ``B * H * splits`` is about one wave of ``4 * 132``
+programs (4 resident per H200 SM at 255 registers), 1 to 32 blocks per split (1 x 4K:
+0.0298 ms at 1, 0.0351 at 4; 1 x 128K: one wave of 32); where full 32-block programs
+exceed a wave and leave the last one less than 3/4 full, the blocks per split that finish
+first when the programs are list-scheduled in grid order, each costing its blocks plus 4
+of fixed work (``int_blocks_per_split``). H200, session 13: 48 x 4K 16 blocks 0.1568
+against 0.1644 ms at 32, 24 x 8K 26: 0.1566 / 0.1624, Llama's 48 x 4608 18: 0.1708 /
+0.1754, 12 x 16K 26: 0.1589 / 0.1603; 8 x 32K keeps 32 (26: 8% slower). The BF16 kernel
+takes splits so that
+``B * H * splits`` is about ``8 * 132`` programs, 4 to 32 blocks per split (57 at
+8 x 32K left a near-empty second wave: 0.280 against 0.241 ms). For the INT
 kernel 2 warps (0.188 against 0.195 ms at 1 x 128K, 0.260 against 0.314 ms at 48 x 4K) and 3
 pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
 The residual ring is one extra split of the same launch (``fuse_ring``). Two token
@@ -23,6 +26,8 @@ split). Every field can be overridden by keyword.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import heapq
 
 import numpy as np
 
@@ -31,6 +36,45 @@ import oscar_jax
 TARGET_PROGRAMS = 8 * 132  # BF16 kernel: about 8 programs per H200 SM
 TARGET_PROGRAMS_INT = 4 * 132  # INT kernel: one wave (255 registers x 2 warps: 4 per SM)
 MAX_BLOCKS_PER_SPLIT = 32  # 8 x 32K: 57 blocks (one wave + a 9% tail) 0.280 ms, 31: 0.241
+PROGRAM_COST, RING_COST = 4.0, 3.0  # INT programs' fixed work and the ring split, in blocks
+
+
+@functools.lru_cache(maxsize=512)
+def _makespan(rows: int, nblk: int, bps: int, slots: int) -> float:
+    """Finish time (in blocks) of ``rows`` x (splits of ``bps`` blocks + the ring split)
+    programs list-scheduled in grid order on ``slots`` resident-program slots."""
+    n = -(-nblk // bps)
+    row = [min(bps, nblk - j * bps) + PROGRAM_COST for j in range(n)] + [RING_COST]
+    free, end = [0.0] * slots, 0.0
+    for _ in range(rows):
+        for cost in row:
+            t = heapq.heappop(free) + cost
+            heapq.heappush(free, t)
+            end = max(end, t)
+    return end
+
+
+def int_blocks_per_split(rows: int, nblk: int, slots: int = TARGET_PROGRAMS_INT) -> int:
+    """Blocks per split of the INT kernel for ``rows`` = B * H and ``nblk`` blocks per row.
+
+    Up to one wave of full 32-block programs: splits for about one wave (``slots``
+    programs), at least 1 block each. Where the full 32-block programs end in a last wave
+    less than 3/4 full (48 x 4K: 768 programs on 528 slots), the earliest finish of
+    ``_makespan`` over the distinct choices <= 32 (ties: fewer splits); otherwise, or
+    beyond 8 waves, 32. (The list-scheduling model alone picked 23 at 8 x 33024 tokens,
+    10% slower than 32 there: short remainder programs cost less than it says.)
+    """
+    top = min(MAX_BLOCKS_PER_SPLIT, nblk)
+    full = rows * (nblk // top)  # programs of the full 32 blocks
+    if full <= slots:
+        want = -(-slots // rows)
+        return max(1, min(top, -(-nblk // want)))
+    waves = full / slots
+    if waves >= 8 or waves % 1 == 0 or waves % 1 >= 0.75:
+        return top
+    cands = {-(-nblk // n) for n in range(1, nblk + 1)} & set(range(1, top + 1))
+    cands = [b for b in cands if rows * -(-nblk // b) <= 16 * slots] or [top]
+    return min(cands, key=lambda b: (_makespan(rows, nblk, b, slots), -b))
 
 
 def _triton_params(num_warps: int, num_stages: int):
@@ -136,10 +180,11 @@ def choose_config(
         )
     t = overrides.get("block_tokens", max(block, group))
     nblk = max(1, -(-tokens // t))
-    target = TARGET_PROGRAMS_INT if group > 1 else TARGET_PROGRAMS
-    want_splits = max(1, -(-target // (batch * heads)))
-    floor = 1 if group > 1 else 4  # INT at 1 x 4K: 1 block per split 0.0298 ms, 4: 0.0351
-    bps = max(min(floor, nblk), min(MAX_BLOCKS_PER_SPLIT, -(-nblk // want_splits)))
+    if group > 1:
+        bps = int_blocks_per_split(batch * heads, nblk)
+    else:
+        want_splits = max(1, -(-TARGET_PROGRAMS // (batch * heads)))
+        bps = max(min(4, nblk), min(MAX_BLOCKS_PER_SPLIT, -(-nblk // want_splits)))
     kw = dict(
         block_tokens=t,
         blocks_per_split=bps,

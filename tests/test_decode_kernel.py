@@ -253,6 +253,12 @@ def test_heuristic_config():
     assert split(gqa=16) == 1 and split(group_size=16) == 1
     assert split(norm_dtype="float32") == 1 and split(norm_dtype="float16") == 2
     assert pdec.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
+    # INT blocks per split (decode_config docstring): one wave of 32 at 1 x 128K, 1 at
+    # 1 x 4K, 32 where full programs fill their last wave (8 x 32K, 8 x 33024: measured),
+    # the list-scheduling choice where they leave it ragged (48 x 4K, 24 x 8K: measured)
+    shapes = ((1, 131072), (8, 32768), (8, 33024), (48, 4096), (24, 8192), (1, 4096))
+    bps = [pdec.choose_config(b, 8, n, 32, interpret=True).blocks_per_split for b, n in shapes]
+    assert bps == [32, 32, 32, 16, 26, 1]
     assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
 
