@@ -83,6 +83,15 @@ def expected_shard(shape, spec, mesh):
     )
 
 
+def _rows_differing(caches, ref):
+    """[B] bool: rows whose quantized fields (any layer) differ from the reference's."""
+    out = np.zeros(caches.lengths.shape[-1], bool)
+    for name in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "k_norm"):
+        a, b = np.asarray(getattr(caches, name)), np.asarray(getattr(ref, name))  # [L, B, ..]
+        out |= (a != b).reshape(a.shape[0], a.shape[1], -1).any(axis=(0, 2))
+    return out
+
+
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
 def test_sharded_generation_equals_unsharded(mesh_shape, method):
@@ -92,10 +101,16 @@ def test_sharded_generation_equals_unsharded(mesh_shape, method):
     caches, first = models.stack_caches(layer_caches), models.stack_caches(first)  # [L, ...]
     ref_caches, ref_first = models.stack_caches(ref_caches), models.stack_caches(ref_first)
     np.testing.assert_array_equal(toks, ref_toks)
-    # INT2: a rounding tie flipped by the float order (allowed below) moves logits and the
-    # next layers' keys by ~1e-4
+    # INT2: the sharded projections sum in another float order, which can move a value
+    # across a rounding tie of the encoder: a code or a float16 scale / zero one step off
+    # (allowed below). Its row's logits then move by up to ~4e-2 in a sensitive step (seen
+    # on the CPU: one key code and two zeros of 2 rows), the other rows' by <= 1e-5; rows
+    # whose quantized cache is bit-identical to the reference are held to the tight bound
     atol = 2e-4 if method == "oscar" else 1e-5
-    np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=atol)
+    flipped = _rows_differing(caches, ref_caches) if method == "oscar" else np.zeros(8, bool)
+    assert flipped.sum() <= 2, flipped
+    np.testing.assert_allclose(logits[:, ~flipped], ref_logits[:, ~flipped], rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(logits[:, flipped], ref_logits[:, flipped], atol=0.1)
     np.testing.assert_array_equal(np.asarray(caches.lengths), np.asarray(ref_caches.lengths))
     assert not np.any(np.asarray(caches.flags))
     np.testing.assert_allclose(np.asarray(caches.k_res), np.asarray(ref_caches.k_res),
