@@ -33,10 +33,15 @@ def _split_dot(x, y, dims, half):
         return jax.lax.dot_general(
             x, y.astype(f32), dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32
         )
-    x_hi = x.astype(half)
-    x_lo = (x - x_hi.astype(f32)).astype(half)
+    x_hi, x_lo = _hi_lo(x, half)
     out = jax.lax.dot_general(x_hi, y, dims, preferred_element_type=f32)
     return out + jax.lax.dot_general(x_lo, y, dims, preferred_element_type=f32)
+
+
+def _hi_lo(x, half):
+    """float32 x -> (hi, lo) in the 16-bit ``half`` with hi + lo = x to ~2^-16 relative."""
+    hi = x.astype(half)
+    return hi, (x - hi.astype(jnp.float32)).astype(half)
 
 
 def _half(word, j, dtype):
@@ -161,36 +166,25 @@ def _dequant_asm(x, bits, dtype, scale, zero):
 def _dequant(x, bits, asm, dtype, scale, zero):
     """uint8 code tile -> the 8 / bits planes of ``code * scale + zero`` in ``dtype``.
 
-    Codes become floats by bit pattern (``base + code``, then ``- base``, exact), not by
-    a quarter-rate int->float conversion. ``asm``: inline PTX with a fused multiply-add
-    (``_dequant_asm``); otherwise the same bit trick in Pallas ops (interpret mode).
+    16-bit codes become floats by bit pattern (``base + code``, then ``- base``, exact),
+    not by a quarter-rate int->float conversion. ``asm``: inline PTX with a fused
+    multiply-add (``_dequant_asm``); otherwise the same bit trick in Pallas ops (interpret
+    mode). float32 (float32 parameters, off the default path) converts the integers.
     """
-    if asm:
+    if asm and dtype != jnp.float32:
         return _dequant_asm(x, bits, dtype, scale, zero)
-    base, pattern = _BITS[jnp.dtype(dtype)][:2]
     mask = (1 << bits) - 1
     planes = []
     for i in range(8 // bits):
-        b16 = ((x >> (bits * i)) & mask).astype(jnp.uint16) | jnp.uint16(pattern)
-        code = jax.lax.bitcast_convert_type(b16, dtype) - jnp.asarray(base, dtype)
+        plane = (x >> (bits * i)) & mask
+        if dtype == jnp.float32:
+            code = plane.astype(jnp.int32).astype(jnp.float32)
+        else:
+            base, pattern = _BITS[jnp.dtype(dtype)][:2]
+            b16 = plane.astype(jnp.uint16) | jnp.uint16(pattern)
+            code = jax.lax.bitcast_convert_type(b16, dtype) - jnp.asarray(base, dtype)
         planes.append(code * scale[i] + zero[i])
     return planes
-
-
-def _dequant_f32(x, bits, scale, zero):
-    """uint8 code tile -> the 8 / bits planes of ``code * scale + zero`` in float32
-    (float32 parameters; int->float conversions, off the default path)."""
-    mask = (1 << bits) - 1
-    return [
-        ((x >> (bits * i)) & mask).astype(jnp.int32).astype(jnp.float32) * scale[i] + zero[i]
-        for i in range(8 // bits)
-    ]
-
-
-def _split_rows(x):
-    """float32 x -> [hi, lo] bfloat16 with hi + lo = x to ~2^-16 relative."""
-    hi = x.astype(jnp.bfloat16)
-    return [hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)]
 
 
 def _int_quant_part(
@@ -370,10 +364,8 @@ def _int_quant_part(
                 vz = [jnp.broadcast_to(vparam(vz_ref, q, tg, words)[:, None], (g, w))
                       for q in grps]  # fmt: skip
                 vb = vc_ref[pl.ds(tg, g), pl.ds(j * w, w)]  # [G, W] uint8
-                if vsplit:
-                    vh = [_split_rows(x) for x in _dequant_f32(vb, bits, vs, vz)]
-                else:
-                    vh = [[x] for x in _dequant(vb, bits, asm, vdt, vs, vz)]
+                vh = _dequant(vb, bits, asm, vpt, vs, vz)  # float32: hi + lo dots
+                vh = [_hi_lo(x, bf16) if vsplit else [x] for x in vh]
                 for i in range(c):
                     k = i * nchunk + j
                     for part in vh[i]:
