@@ -86,6 +86,35 @@ def rotation_matrix(cfg: KVQuantConfig, d: int) -> np.ndarray:
     return np.eye(d)
 
 
+def sylvester(n: int) -> np.ndarray:
+    """The unnormalised n x n Sylvester Hadamard matrix (n a power of two)."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h
+
+
+def kronecker_factor(cfg: KVQuantConfig, d: int, w: int) -> np.ndarray | None:
+    """The +-1 factors of R = H_(d/w) (x) [w, w] blocks, for kernels that rotate chunks.
+
+    Returns F [d, w]: rows a*w..(a+1)*w are chunk a's factor F_a (its random signs folded
+    in), so that for x split in d/w chunks x_a, ``rotate(x)`` chunk b is
+    ``sum_a H[a, b] (x_a @ F_a) / sqrt(d)`` (butterflies over the chunks of x_a @ F_a) and
+    ``unrotate(y)`` chunk a is ``butterflies(y)_a @ F_a.T / sqrt(d)``. None where R has no
+    such form (``random_orthogonal``, ``none``, a block-diagonal Hadamard).
+    """
+    if cfg.rotation not in ("hadamard", "randomized_hadamard") or hadamard_block_size(d) != d:
+        return None
+    if w & (w - 1) or not 1 <= w <= d:
+        raise ValueError(f"{w=} must be a power of two <= {d=}")
+    pm = np.round(rotation_matrix(cfg, d).T * np.sqrt(d))  # rotate(x) = x @ pm / sqrt(d)
+    block = pm[:, :w]
+    n = d // w
+    if not np.array_equal(pm, np.kron(sylvester(n), np.ones((w, w))) * np.tile(block, (1, n))):
+        raise AssertionError("internal: a Hadamard rotation without Kronecker form")
+    return block
+
+
 # The default of ``dense`` for callers that do not choose (the encoders): False keeps
 # the butterflies, elementwise and so bit-identical whatever the batch. Benchmarks
 # set it to time the XLA encoder with a matmul rotation.

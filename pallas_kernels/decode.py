@@ -27,6 +27,9 @@ head h over tokens j, j + 2, .. (see ``decode_int._int_quant_part``). By default
 residual ring is the launch's last split (the plain f32 query split into two 16-bit
 halves, so two tensor-core dots give ~f32 accuracy; its acc stays in the original
 basis); XLA merges the splits, un-rotating the quantized splits' weighted sum once.
+From B x H = 192 (``DecodeConfig.rotate_in_kernel``) the kernel itself rotates the query
+and un-rotates each split's acc with the Hadamard rotation's Kronecker factors (a few
+[16, W] x [W, W] dots per program), which saves the two XLA GEMM launches.
 (An in-kernel [D, D] rotation and f32 FMA dots in the ring cost 2.2 KB of register
 spills per thread in the whole kernel: ``ptxas -v`` of the lowered IR.) With
 ``fuse_ring=False`` the ring goes
@@ -93,12 +96,18 @@ def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
     return cfg.token_split or (2 if fits and long else 1)
 
 
-def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP):
-    """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]) in the rotated basis.
+def quantized_partials(
+    qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP, in_kernel_rotation: bool = False
+):
+    """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]), acc in the rotated basis.
 
     ``qs`` [B, H, S, GP, D] f32, scaled (``stack_queries``): S = 1, the rotated query;
     S = 2, also the plain query, and the residual ring is the extra last split. One
-    array, so that XLA builds both in one fusion. ``nq`` [B]: quantized tokens to read
+    array, so that XLA builds both in one fusion. ``in_kernel_rotation`` (Hadamard
+    rotations only, ``in_kernel_rotation_applies``): qs is the plain query alone (S = 1),
+    the kernel rotates it and un-rotates each split's acc (Kronecker factors, a few small
+    dots per program), so every partial, the fused ring's too, is in the original basis
+    and the ring is fused. ``nq`` [B]: quantized tokens to read
     per row (a sequence shard's own count; default ``cache.num_quantized()``). The kernel
     writes only the first ``rows`` query rows of ``acc`` (the real heads of the GQA
     group); the padded rows are sliced off here. With two token sub-blocks
@@ -128,7 +137,12 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
     hn = cache.k_norm.shape[1]
     if qs.ndim != 5 or qs.shape[:2] != (b, h) or qs.shape[2] not in (1, 2):
         raise ValueError(f"qs.shape={qs.shape} must be ({b}, {h}, 1 or 2, {GP}, {d})")
-    fused = qs.shape[2] == 2
+    fused = qs.shape[2] == 2 or in_kernel_rotation
+    if in_kernel_rotation and (qs.shape[2] != 1 or not in_kernel_rotation_applies(kcfg, d)):
+        raise ValueError(
+            f"in_kernel_rotation needs one plain query (qs.shape={qs.shape}) and a Hadamard "
+            f"rotation of head_dim {d} (rotation={kcfg.rotation!r})"
+        )
     if nq is None:
         nq = cache.num_quantized().astype(jnp.int32)
     elif fused or jnp.shape(nq) != (b,):
@@ -172,6 +186,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         sub=sub,
         knpair=knpair,
     )
+    rot = (in_kernel_rotation and kcfg.rotate_keys, in_kernel_rotation and kcfg.rotate_values)
 
     def full(*shape):
         return pl.BlockSpec((None, None, *shape), lambda i, j, s: (i, j) + (0,) * len(shape))
@@ -201,11 +216,16 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         v_scale,
         v_zero,
     ]
+    for on, width in zip(rot, (p_w, min(p_w, gv)), strict=True):  # rotation factors [D, W]
+        if on:
+            fac = hadamard.kronecker_factor(kcfg, d, width)
+            in_specs.append(pl.BlockSpec((d, width), lambda i, j, s: (0, 0)))
+            args.append(jnp.asarray(fac, jnp.float16))
     if ring:
         ns += 1
         in_specs += [
             pl.BlockSpec((1,), lambda i, j, s: (i,)),
-            query(1),
+            query(qs.shape[2] - 1),
             full(cache.slots, d),
             full(cache.slots, d),
         ]
@@ -225,7 +245,7 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         {} if cfg.interpret else dict(compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
     )
     acc, m, lsum = pl.pallas_call(
-        kern,
+        functools.partial(kern, rot=rot),
         grid=(b, h, ns),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -243,6 +263,13 @@ def quantized_partials(qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP)
         return jnp.concatenate([q, x[:, :, nsq:, :rows]], axis=2) if ring else q
 
     return splits(acc), splits(m), splits(lsum)
+
+
+def in_kernel_rotation_applies(kcfg, d: int) -> bool:
+    """Whether the INT kernel can rotate the query and un-rotate its partials itself:
+    a rotation on keys or values with Kronecker form (``hadamard.kronecker_factor``)."""
+    rotates = kcfg.rotate_keys or kcfg.rotate_values
+    return rotates and hadamard.kronecker_factor(kcfg, d, d) is not None
 
 
 def merge_splits(acc, m, lsum, last_basis=None):
@@ -300,7 +327,15 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     if kcfg.bits not in (2, 4):
         raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
-    if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
+    fuse = cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16
+    if fuse and cfg.rotate_in_kernel and in_kernel_rotation_applies(kcfg, d):
+        parts = quantized_partials(
+            stack_queries(scale, qg), cache, cfg, rows=g, in_kernel_rotation=True
+        )
+        acc, m, lsum = merge_splits(*parts)
+        out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
+        return out.reshape(b, hq, d).astype(q.dtype)
+    if fuse:
         q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
         unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
         parts = quantized_partials(stack_queries(scale, q_rot, qg), cache, cfg, rows=g)

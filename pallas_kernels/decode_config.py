@@ -20,7 +20,10 @@ pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
 The residual ring is one extra split of the same launch (``fuse_ring``). Two token
 sub-blocks fill the padded MMA rows where they apply and a split walks >= 4 blocks
 (``token_split``, session 12: 2-3% at 1 x 128K and 8 x 32K, slower at 1 block per
-split). Every field can be overridden by keyword.
+split). From B x H = 192 the INT kernel does the query rotation and the output
+un-rotation itself (``rotate_in_kernel``, session 14: 3-8% faster at 24 x 8K, 32 x 4K and
+48 x 4K; 1-3% slower at 16 x 4K, 8 x 32K and batch 1). Every field can be overridden by
+keyword.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ TARGET_PROGRAMS = 8 * 132  # BF16 kernel: about 8 programs per H200 SM
 TARGET_PROGRAMS_INT = 4 * 132  # INT kernel: one wave (255 registers x 2 warps: 4 per SM)
 MAX_BLOCKS_PER_SPLIT = 32  # 8 x 32K: 57 blocks (one wave + a 9% tail) 0.280 ms, 31: 0.241
 PROGRAM_COST, RING_COST = 4.0, 3.0  # INT programs' fixed work and the ring split, in blocks
+# B x H from which the INT kernel rotates the query and un-rotates its partials itself. H200,
+# session 14, in-kernel against the XLA GEMMs in the same run (s14/r3, r4): 32 x 4K 0.1107 /
+# 0.1209 ms, 48 x 4K 0.1533 / 0.1586, 24 x 8K 0.1525 / 0.1581; 16 x 4K 0.0765 / 0.0758,
+# 8 x 32K 0.1916 / 0.1871, 1 x 128K 0.1018 / 0.1006, 1 x 4K 0.0190 / 0.0184 (the per-program
+# rotation work outweighs two small launches until the XLA un-rotation reads many rows)
+ROTATE_IN_KERNEL_ROWS = 192
 
 
 @functools.lru_cache(maxsize=512)
@@ -124,6 +133,12 @@ class DecodeConfig:
       instructions per 64 tokens, but 255 registers against 188; on the H200 (session
       12, same run) 1 x 128K 0.1036 -> 0.1011 ms, 8 x 32K 0.1936 -> 0.1871, 48 x 4K
       0.1658 -> 0.1655, and 1 x 4K (1 block per split) 0.0171 -> 0.0180.
+    rotate_in_kernel: with a Hadamard rotation (``hadamard`` or ``randomized_hadamard``)
+      and the fused ring, the INT kernel rotates the query and un-rotates each split's
+      partial itself (Kronecker factors: per program a few [16, W] x [W, W] dots and
+      butterflies, ~600 instructions per thread against ~1,560 per 64-token block), in
+      place of the two XLA GEMM launches around it. False: XLA rotates. The heuristic
+      takes it where B x H >= 192 (``ROTATE_IN_KERNEL_ROWS``).
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -138,6 +153,7 @@ class DecodeConfig:
     ring_rows: int = 0
     vparams: str = "auto"
     token_split: int = 0
+    rotate_in_kernel: bool = False
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -161,7 +177,7 @@ class DecodeConfig:
             raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
         if self.unpack not in ("asm", "jnp"):
             raise ValueError(f"unpack={self.unpack!r} must be 'asm' or 'jnp'")
-        for name in ("fuse_ring",):
+        for name in ("fuse_ring", "rotate_in_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if not isinstance(self.interpret, bool):
@@ -191,6 +207,7 @@ def choose_config(
         num_warps=2 if group > 1 else 4,
         num_stages=3 if group > 1 else 2,
         interpret=not oscar_jax.gpu_available(),
+        rotate_in_kernel=group > 1 and batch * heads >= ROTATE_IN_KERNEL_ROWS,
     )
     kw.update(overrides)
     return DecodeConfig(**kw)

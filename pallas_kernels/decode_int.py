@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
+
+from pallas_kernels.quantize_rotation import butterflies
 
 GP = 16  # MMA rows: the GQA query group is padded to this
 NEG = -1e30  # finite 'minus infinity' of the online softmax
@@ -42,6 +45,31 @@ def _hi_lo(x, half):
     """float32 x -> (hi, lo) in the 16-bit ``half`` with hi + lo = x to ~2^-16 relative."""
     hi = x.astype(half)
     return hi, (x - hi.astype(jnp.float32)).astype(half)
+
+
+def _kron_rotate(xs, f_ref, inverse: bool, split: bool):
+    """Rotate (``inverse``: un-rotate) rows given as their D / W chunks ``xs`` ([R, W]
+    f32 each) by the Hadamard rotation's Kronecker factors ``f_ref`` [D, W] (float16
+    +-1, ``hadamard.kronecker_factor``): butterflies across the chunks and one [R, W] x
+    [W, W] tensor-core dot per chunk, f32 accumulation. The chunks are scaled by
+    1 / sqrt(D) first, so the 16-bit operands stay in range wherever the chunks and the
+    result do. ``split``: operands as bfloat16 hi + lo halves (two dots, ~2^-16
+    relative, any f32 magnitude); else one float16 rounding (2^-11)."""
+    w = xs[0].shape[1]
+    scale = np.float32(1.0 / np.sqrt(w * len(xs)))
+    xs = [x * scale for x in xs]
+    dims = (((1,), (1,)), ((), ())) if inverse else (((1,), (0,)), ((), ()))  # x F^T / x F
+    if inverse:
+        xs = butterflies(xs)
+    out = []
+    for a, x in enumerate(xs):
+        f = f_ref[pl.ds(a * w, w), :]
+        if split:
+            out.append(_split_dot(x, f.astype(jnp.bfloat16), dims, jnp.bfloat16))
+        else:
+            out.append(jax.lax.dot_general(x.astype(f.dtype), f, dims,
+                                           preferred_element_type=jnp.float32))  # fmt: skip
+    return out if inverse else butterflies(out)
 
 
 def _half(word, j, dtype):
@@ -96,11 +124,18 @@ def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, 
     l_ref[...] = lsum
 
 
-def int_kernel(*refs, ring, **kw):
-    """Grid (B, H, splits [+1 for the ring]): the last split handles the ring when fused."""
+def int_kernel(*refs, ring, rot=(False, False), **kw):
+    """Grid (B, H, splits [+1 for the ring]): the last split handles the ring when fused.
+
+    refs: the 9 inputs of ``_int_quant_part``, the query's and the output's rotation
+    factors where ``rot`` = (rotate the query, un-rotate the output) asks for them, the 4
+    ring inputs when fused, the 3 outputs."""
+    nrot = sum(rot)
+    fac = refs[9 : 9 + nrot]
+    kw = dict(kw, fq_ref=fac[0] if rot[0] else None, fo_ref=fac[-1] if rot[1] else None)
+    quant_refs, ring_refs, out_refs = refs[:9], refs[9 + nrot : -3], refs[-3:]
     if not ring:
-        return _int_quant_part(*refs, s_id=pl.program_id(2), **kw)
-    quant_refs, ring_refs, out_refs = refs[:9], refs[9:13], refs[-3:]
+        return _int_quant_part(*quant_refs, *out_refs, s_id=pl.program_id(2), **kw)
     n_ref, qp_ref, kr_ref, vr_ref = ring_refs
     last = pl.num_programs(2) - 1
     s_id = pl.program_id(2)
@@ -215,6 +250,8 @@ def _int_quant_part(
     rows=GP,
     sub=1,
     knpair=None,
+    fq_ref=None,
+    fo_ref=None,
 ):
     """One block of T tokens = T / G key groups, one online-softmax step per block.
 
@@ -281,7 +318,10 @@ def _int_quant_part(
     def row_sub(shape):  # the sub-block j of each MMA row, [shape] int32
         return jnp.minimum(iota(shape, 0) // (rows // sub), sub - 1)
 
-    qs = [tile(q_ref[:, pl.ds(i * p_w, p_w)]) for i in range(c)]  # [GP, S * P] per plane
+    qs = [q_ref[:, pl.ds(i * p_w, p_w)] for i in range(c)]  # [GP, P] f32 per plane
+    if fq_ref is not None:  # the plain query, rotated once per program
+        qs = _kron_rotate(qs, fq_ref, inverse=False, split=False)  # rounded to f16 anyway
+    qs = [tile(x) for x in qs]  # [GP, S * P] per plane
     if sub > 1:
         diag = row_sub((GP, sp)) == iota((GP, sp), 1) // p_w
         qs = [jnp.where(diag, x, 0.0) for x in qs]  # block-diagonal
@@ -380,6 +420,13 @@ def _int_quant_part(
         tuple(jnp.zeros((GP, w), f32) for _ in range(c * nchunk)),
     )
     m, lsum, accs = jax.lax.fori_loop(0, nblk, body, init)
+    if fo_ref is not None:  # chunk k of accs: channels k W..; the split's acc un-rotated
+        if vdt == f16:  # normalised, the rows are weighted means of float16 values: in range
+            inv = jnp.where(lsum > 0, 1.0 / jnp.where(lsum > 0, lsum, 1.0), 0.0)[:, None]
+            accs = _kron_rotate([a * inv for a in accs], fo_ref, inverse=True, split=False)
+            accs = [a * lsum[:, None] for a in accs]
+        else:
+            accs = _kron_rotate(list(accs), fo_ref, inverse=True, split=True)
     for i in range(c):
         for j in range(nchunk):
             _store_rows(acc_ref, pl.ds(i * p_w + j * w, w), accs[i * nchunk + j], rows)

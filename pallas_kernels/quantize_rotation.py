@@ -28,24 +28,13 @@ def rotation_operand(spec) -> np.ndarray:
     """What ``rotated_chunks`` multiplies by: dense f32 M (rotate(x) = x @ M) for
     ``random_orthogonal``; else the exact +-1 first column block of the (signed)
     Hadamard matrix, [D, W]: rows a*W..(a+1)*W are chunk a's [W, W] factor."""
-    rt = hadamard.rotation_matrix(spec.cfg, spec.d).T
     if spec.rot_scale is None:
-        return rt.astype(np.float32)
-    pm = np.round(rt * np.sqrt(hadamard.hadamard_block_size(spec.d)))
-    w, n = spec.w, spec.d // spec.w
-    block = pm[:, :w]
-    if not np.array_equal(pm, np.kron(sylvester(n), np.ones((w, w))) * np.tile(block, (1, n))):
+        return hadamard.rotation_matrix(spec.cfg, spec.d).T.astype(np.float32)
+    block = hadamard.kronecker_factor(spec.cfg, spec.d, spec.w)
+    if block is None:
         raise NotImplementedError("rotation is not a Kronecker product H_(D/W) x [W, W]")
     dt = jnp.float16 if spec.in_dtype == "float16" else jnp.bfloat16
     return block.astype(dt)
-
-
-def sylvester(n: int) -> np.ndarray:
-    """The unnormalised n x n Sylvester Hadamard matrix (n a power of two)."""
-    h = np.ones((1, 1))
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h
 
 
 def butterflies(zs: list) -> list:

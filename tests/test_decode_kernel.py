@@ -86,7 +86,7 @@ CASES = {
     # bfloat16 rounding of the parameters gave 2.1e-2 / 1.2e-2 on these two cases
     "int2_d128_gqa2_f32params": (
         dict(method="oscar", gqa=2, h=1, lens=(300, 7), param_dtype="float32"),
-        dict(token_split=2),
+        dict(token_split=2, rotate_in_kernel=True),
     ),
     "int4_d64_gqa4_f32params": (
         dict(method="oscar", bits=4, d=64, h=1, lens=(613, 200), param_dtype="float32"),
@@ -107,7 +107,7 @@ CASES = {
     # blocks (int2_d128_gqa4_f16params), else 1 (most cases above); 2 explicitly
     "int2_d128_gqa4_split2_ragged": (
         dict(method="oscar", lens=(700, 33, 0, 161), max_len=768),
-        dict(block_tokens=64, blocks_per_split=3, token_split=2),
+        dict(block_tokens=64, blocks_per_split=3, token_split=2, rotate_in_kernel=True),
     ),
     "int2_d128_gqa8_split2_per_token_noring": (
         dict(method="oscar", gqa=8, h=1, lens=(517, 40), norm_granularity="per_token"),
@@ -127,7 +127,32 @@ CASES = {
     ),
     "int2_d256_gqa4_split2_f16params": (
         dict(method="oscar", d=256, h=1, lens=(905, 131), param_dtype="float16"),
-        dict(block_tokens=128, blocks_per_split=2, token_split=2),
+        dict(block_tokens=128, blocks_per_split=2, token_split=2, rotate_in_kernel=True),
+    ),
+    # the query rotation and the output un-rotation in the kernel (Kronecker factors; the
+    # heuristic takes it from B x H = 192, so these small cases ask for it; also above)
+    "int4_d128_gqa4_randomized_hadamard": (  # query planes 64 wide, output chunks 32
+        dict(method="oscar", bits=4, rotation="randomized_hadamard", lens=(613, 200, 0)),
+        dict(rotate_in_kernel=True),
+    ),
+    "int2_d64_gqa4_keys_rotated_split2": (  # rotate_values=False: the query only
+        dict(
+            method="oscar",
+            d=64,
+            h=1,
+            lens=(517, 90),
+            rotation="randomized_hadamard",
+            rotate_values=False,
+        ),
+        dict(token_split=2, rotate_in_kernel=True),
+    ),  # fmt: skip
+    "int4_d64_gqa4_f32params_rotate_in_kernel": (  # bfloat16 hi + lo un-rotation dots
+        dict(method="oscar", bits=4, d=64, h=1, lens=(613, 200), param_dtype="float32"),
+        dict(rotate_in_kernel=True),
+    ),
+    "int2_d128_gqa4_random_orthogonal": (  # no Kronecker form: XLA GEMMs whatever asked
+        dict(method="oscar", rotation="random_orthogonal", lens=(300, 77)),
+        dict(rotate_in_kernel=True),
     ),
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
@@ -236,6 +261,7 @@ def test_heuristic_config():
         dict(token_split=3),
         dict(token_split=4),
         dict(token_split=-1),
+        dict(rotate_in_kernel=1),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pdec.DecodeConfig(**bad)
@@ -259,6 +285,8 @@ def test_heuristic_config():
     shapes = ((1, 131072), (8, 32768), (8, 33024), (48, 4096), (24, 8192), (1, 4096))
     bps = [pdec.choose_config(b, 8, n, 32, interpret=True).blocks_per_split for b, n in shapes]
     assert bps == [32, 32, 32, 16, 26, 1]
+    rik = [pdec.choose_config(b, 8, n, 32, interpret=True).rotate_in_kernel for b, n in shapes]
+    assert rik == [False, False, False, True, True, False]  # B x H >= 192 (measured)
     assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
 
@@ -270,6 +298,7 @@ def test_heuristic_config():
         ("oscar", {"vparams": "col", "ring_rows": 16}),
         ("oscar", {"vparams": "tile"}),
         ("oscar", {"token_split": 1}),
+        ("oscar", {"rotate_in_kernel": True}),
         ("bf16", {}),
     ],
 )

@@ -8,6 +8,7 @@ import pytest
 from absl.testing import parameterized
 
 import oscar_jax as oj
+from oscar_jax import hadamard
 
 
 class HadamardTest(parameterized.TestCase):
@@ -86,3 +87,33 @@ def test_rotate_dense_and_butterfly_paths_agree(rotation, dense):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     back = hadamard.unrotate(got, cfg, dense=dense)
     np.testing.assert_allclose(np.asarray(back), np.asarray(x), atol=1e-5)
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "randomized_hadamard"])
+@pytest.mark.parametrize("d,w", [(64, 16), (128, 32), (128, 64), (256, 64), (128, 128)])
+def test_kronecker_factor_rotates_and_unrotates(rotation, d, w):
+    """Chunk dots with the +-1 factors plus butterflies across chunks are R x and R^T y
+    (what the decode kernel computes with ``kronecker_factor``)."""
+    cfg = oj.preset("oscar", rotation=rotation, rotation_seed=3)
+    f = hadamard.kronecker_factor(cfg, d, w)
+    assert f.shape == (d, w) and set(np.unique(f)) == {-1.0, 1.0}
+    x = np.random.default_rng(0).standard_normal((5, d))
+    n, h = d // w, hadamard.sylvester(d // w)
+    chunks = [x[:, a * w : (a + 1) * w] for a in range(n)]
+    z = [c @ f[a * w : (a + 1) * w] for a, c in enumerate(chunks)]
+    rot = np.concatenate([sum(h[a, b] * z[a] for a in range(n)) for b in range(n)], 1)
+    np.testing.assert_allclose(rot / np.sqrt(d), np.asarray(hadamard.rotate(x, cfg)), atol=1e-5)
+    y = [sum(h[a, b] * chunks[b] for b in range(n)) for a in range(n)]
+    un = np.concatenate([ya @ f[a * w : (a + 1) * w].T for a, ya in enumerate(y)], 1)
+    np.testing.assert_allclose(un / np.sqrt(d), np.asarray(hadamard.unrotate(x, cfg)), atol=1e-5)
+
+
+def test_kronecker_factor_none_without_the_form():
+    d = 128
+    assert (
+        hadamard.kronecker_factor(oj.preset("oscar", rotation="random_orthogonal"), d, 32) is None
+    )
+    assert hadamard.kronecker_factor(oj.preset("kivi"), d, 32) is None
+    assert hadamard.kronecker_factor(oj.preset("oscar"), 96, 32) is None  # block-diagonal
+    with pytest.raises(ValueError, match="w="):
+        hadamard.kronecker_factor(oj.preset("oscar"), d, 48)
