@@ -327,18 +327,16 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     if kcfg.bits not in (2, 4):
         raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
-    fuse = cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16
-    if fuse and cfg.rotate_in_kernel and in_kernel_rotation_applies(kcfg, d):
-        parts = quantized_partials(
-            stack_queries(scale, qg), cache, cfg, rows=g, in_kernel_rotation=True
-        )
-        acc, m, lsum = merge_splits(*parts)
-        out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
-        return out.reshape(b, hq, d).astype(q.dtype)
-    if fuse:
-        q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
-        unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
-        parts = quantized_partials(stack_queries(scale, q_rot, qg), cache, cfg, rows=g)
+    if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
+        if cfg.rotate_in_kernel and in_kernel_rotation_applies(kcfg, d):
+            qs, unrot = stack_queries(scale, qg), None  # every partial in the original basis
+        else:
+            q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
+            qs = stack_queries(scale, q_rot, qg)
+            unrot = (
+                (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
+            )
+        parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=qs.shape[2] == 1)
         acc, m, lsum = merge_splits(*parts, last_basis=unrot)
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
         return out.reshape(b, hq, d).astype(q.dtype)

@@ -145,7 +145,7 @@ CASES = {
             rotate_values=False,
         ),
         dict(token_split=2, rotate_in_kernel=True),
-    ),  # fmt: skip
+    ),
     "int4_d64_gqa4_f32params_rotate_in_kernel": (  # bfloat16 hi + lo un-rotation dots
         dict(method="oscar", bits=4, d=64, h=1, lens=(613, 200), param_dtype="float32"),
         dict(rotate_in_kernel=True),
