@@ -21,6 +21,7 @@ from jaxtyping import Array, Float
 
 from oscar_jax import codec, hadamard
 from oscar_jax.cache import FLAG_NONFINITE, KVCache, _residual_tokens, quantized_parts
+from oscar_jax.eager import compiled
 
 HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -114,6 +115,7 @@ def unrotate_values(acc, cfg):
     return hadamard.unrotate(acc, cfg, dense=True) if cfg.rotate_values else acc
 
 
+@compiled(arrays=("q", "cache"))
 def decode_attention_xla(
     q: Float[Array, "B Hq D"], cache: KVCache, *, softmax_scale: float | None = None
 ) -> Float[Array, "B Hq D"]:
@@ -158,6 +160,7 @@ def lookup_quantized_partial(implementation: str) -> Callable:
     return codec.lookup(_PARTIALS, implementation, "sharded decode_attention")
 
 
+@compiled(arrays=("q", "cache"))
 def decode_attention(
     q: Float[Array, "B Hq D"],
     cache: KVCache,

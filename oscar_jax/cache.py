@@ -63,6 +63,7 @@ from jaxtyping import Array, Float, Int
 
 from oscar_jax import codec
 from oscar_jax.config import KVQuantConfig
+from oscar_jax.eager import compiled
 
 FLAG_OVERFLOW = 1  # an append found the row full; the token was dropped
 FLAG_NONFINITE = 2  # a key or value of the row held NaN or Inf
@@ -253,6 +254,7 @@ def _residual_tokens(
     return t, t < n[:, None]
 
 
+@compiled(arrays=("cache", "k", "v", "lengths"))
 def prefill(
     cache: KVCache,
     k: Float[Array, "B T H D"],
@@ -346,6 +348,7 @@ def quantized_parts(cache: KVCache) -> tuple[codec.EncodedKeys, codec.EncodedVal
     )
 
 
+@compiled(arrays=("cache",))
 def dequantize(cache: KVCache) -> tuple[Float[Array, "B L H D"], Float[Array, "B L H D"]]:
     """Keys and values as stored, [B, max_len, H, D] float32, original basis, zeros past length."""
     b, h, d, L = cache.batch, cache.num_kv_heads, cache.head_dim, cache.max_len

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, UInt8
 
 from oscar_jax import hadamard, quant
 from oscar_jax.config import KVQuantConfig
+from oscar_jax.eager import compiled
 
 
 class EncodedKeys(NamedTuple):
@@ -57,6 +58,7 @@ def token_l2_norm(x: Float[Array, "B H T D"], granularity: str) -> Float[Array, 
     return n.reshape(n.shape[:3])
 
 
+@compiled(arrays=("k",))
 def encode_keys_xla(k: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedKeys:
     """Pure-JAX reference: rotate -> token-scale -> per-channel group quantize -> pack."""
     x = k.astype(jnp.float32)
@@ -75,6 +77,7 @@ def encode_keys_xla(k: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedKe
     return EncodedKeys(quant.pack(codes, cfg.bits, axis=-1), scale, zero, norm)
 
 
+@compiled(arrays=("v",))
 def encode_values_xla(v: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedValues:
     """Pure-JAX reference: rotate -> per-token channel-group quantize -> pack."""
     x = v.astype(jnp.float32)
@@ -85,6 +88,7 @@ def encode_values_xla(v: Float[Array, "B H T D"], cfg: KVQuantConfig) -> Encoded
     return EncodedValues(quant.pack(codes, cfg.bits, axis=-1), scale, zero)
 
 
+@compiled(arrays=("enc",))
 def decode_keys(
     enc: EncodedKeys, cfg: KVQuantConfig, *, rotated: bool = True
 ) -> Float[Array, "B H T D"]:
@@ -97,6 +101,7 @@ def decode_keys(
     return x
 
 
+@compiled(arrays=("enc",))
 def decode_values(
     enc: EncodedValues, cfg: KVQuantConfig, *, rotated: bool = True
 ) -> Float[Array, "B H T D"]:
@@ -138,6 +143,7 @@ def lookup(table: dict, name: str, what: str):
     return table[name]
 
 
+@compiled(arrays=("k", "v"))
 def encode(
     k: Float[Array, "B H T D"],
     v: Float[Array, "B H T D"],

@@ -13,6 +13,7 @@ from jaxtyping import Array, Float
 
 from oscar_jax import codec
 from oscar_jax.config import KVQuantConfig
+from oscar_jax.eager import compiled
 
 
 def _check(x, cfg: KVQuantConfig, name: str) -> None:
@@ -35,6 +36,7 @@ def _padded_head_major(x, g: int):
     return xh, t
 
 
+@compiled(arrays=("k",))
 def fake_quant_keys(k: Float[Array, "B T H D"], cfg: KVQuantConfig) -> Float[Array, "B T H D"]:
     """Keys through the config's quantizer and back, same shape and dtype, original basis."""
     _check(k, cfg, "k")
@@ -45,6 +47,7 @@ def fake_quant_keys(k: Float[Array, "B T H D"], cfg: KVQuantConfig) -> Float[Arr
     return jnp.swapaxes(out[:, :, :t], 1, 2).astype(k.dtype)
 
 
+@compiled(arrays=("v",))
 def fake_quant_values(v: Float[Array, "B T H D"], cfg: KVQuantConfig) -> Float[Array, "B T H D"]:
     """Values through the config's quantizer and back, same shape and dtype, original basis."""
     _check(v, cfg, "v")

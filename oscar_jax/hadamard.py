@@ -23,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from oscar_jax.config import KVQuantConfig
+from oscar_jax.eager import compiled
 
 
 def hadamard_block_size(d: int) -> int:
@@ -32,6 +33,7 @@ def hadamard_block_size(d: int) -> int:
     return d & -d
 
 
+@compiled(arrays=("x",))
 def fwht(x: Float[Array, "... d"]) -> Float[Array, "... d"]:
     """Orthonormal (block-diagonal) fast Walsh-Hadamard transform of the last axis.
 
@@ -139,6 +141,7 @@ def _apply(x: Array, cfg: KVQuantConfig, inverse: bool, dense: bool | None) -> A
     return jnp.einsum(spec, xf, r, precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
 
 
+@compiled(arrays=("x",))
 def rotate(
     x: Float[Array, "... d"], cfg: KVQuantConfig, *, dense: bool | None = None
 ) -> Float[Array, "... d"]:
@@ -152,6 +155,7 @@ def rotate(
     return _apply(x, cfg, inverse=False, dense=dense)
 
 
+@compiled(arrays=("y",))
 def unrotate(
     y: Float[Array, "... d"], cfg: KVQuantConfig, *, dense: bool | None = None
 ) -> Float[Array, "... d"]:

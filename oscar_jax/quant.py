@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
+from oscar_jax.eager import compiled
+
 
 def packed_size(n: int, bits: int) -> int:
     """Bytes that n codes of ``bits`` bits take along the packed axis."""
@@ -57,6 +59,7 @@ def _unpack_pow2(packed: Array, bits: int) -> Array:
     return jnp.concatenate(planes, axis=-1)
 
 
+@compiled(arrays=("codes",))
 def pack(codes: UInt8[Array, "... n"], bits: int, axis: int = -1) -> UInt8[Array, "... m"]:
     """Pack integer codes in [0, 2^bits) along ``axis`` into uint8 (planar layout)."""
     codes = jnp.moveaxis(codes, axis, -1)
@@ -71,6 +74,7 @@ def pack(codes: UInt8[Array, "... n"], bits: int, axis: int = -1) -> UInt8[Array
     return jnp.moveaxis(out, -1, axis)
 
 
+@compiled(arrays=("packed",))
 def unpack(packed: UInt8[Array, "... m"], bits: int, axis: int = -1) -> UInt8[Array, "... n"]:
     """Exact inverse of ``pack``."""
     packed = jnp.moveaxis(packed, axis, -1)
@@ -137,6 +141,7 @@ def prescaled_reciprocal(d: Array, div=jnp.divide) -> tuple[Array, Array]:
     return p, jnp.where(nz, div(jnp.ones_like(dp), jnp.where(nz, dp, 1.0)), 0.0)
 
 
+@compiled(arrays=("x",))
 def quantize_groups(
     x: Float[Array, "..."],
     bits: int,
@@ -172,6 +177,7 @@ def quantize_groups(
     )
 
 
+@compiled(arrays=("codes", "scale", "zero"))
 def dequantize_groups(
     codes: UInt8[Array, "..."], scale: Array, zero: Array, group_size: int, axis: int
 ) -> Float[Array, "..."]:

@@ -29,8 +29,10 @@ from oscar_jax.cache import (
     quantized_count,
 )
 from oscar_jax.config import KVQuantConfig
+from oscar_jax.eager import compiled
 
 
+@compiled(arrays=("cache", "k_t", "v_t"))
 def append(
     cache: KVCache,
     k_t: Float[Array, "B H D"],
