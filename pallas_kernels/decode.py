@@ -290,26 +290,6 @@ def merge_splits(acc, m, lsum, last_basis=None):
     return acc, jnp.where(lt > 0, mt, -jnp.inf), lt
 
 
-def merge_splits_online(acc, m, lsum):
-    """``merge_splits`` (no basis change) as one variadic XLA reduction over the split
-    axis, its combiner the online-softmax merge of two partials (empty ones: l = 0)."""
-    big = acc.shape
-    ops = (jnp.broadcast_to(m[..., None], big), jnp.broadcast_to(lsum[..., None], big), acc)
-
-    def combine(x, y):
-        (m1, l1, a1), (m2, l2, a2) = x, y
-        m1 = jnp.where(l1 > 0, m1, -jnp.inf)
-        m2 = jnp.where(l2 > 0, m2, -jnp.inf)
-        mt = jnp.maximum(m1, m2)
-        ms = jnp.where(jnp.isfinite(mt), mt, 0.0)
-        w1, w2 = jnp.exp(m1 - ms), jnp.exp(m2 - ms)
-        return mt, l1 * w1 + l2 * w2, a1 * w1 + a2 * w2
-
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
-    mt, lt, at = jax.lax.reduce(ops, init, combine, (2,))
-    return at, mt[..., 0], lt[..., 0]
-
-
 def pad_query(qg, dtype=jnp.float16):
     """[..., g, D] -> [..., GP, D] zero-padded rows."""
     g = qg.shape[-2]
@@ -357,10 +337,7 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
                 (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
             )
         parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=qs.shape[2] == 1)
-        if cfg.merge == "online" and unrot is None:
-            acc, m, lsum = merge_splits_online(*parts)
-        else:
-            acc, m, lsum = merge_splits(*parts, last_basis=unrot)
+        acc, m, lsum = merge_splits(*parts, last_basis=unrot)
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
         return out.reshape(b, hq, d).astype(q.dtype)
     parts = [residual_partial(qg, cache, scale)]

@@ -139,10 +139,6 @@ class DecodeConfig:
       butterflies, ~600 instructions per thread against ~1,560 per 64-token block), in
       place of the two XLA GEMM launches around it. False: XLA rotates. The heuristic
       takes it where B x H >= 192 (``ROTATE_IN_KERNEL_ROWS``).
-    merge: how XLA merges the splits' partials: "sum" (a max over the splits, then the
-      weighted sums: several reduction launches) or "online" (one variadic reduction
-      whose combiner is the online-softmax merge of two partials; a last split in
-      another basis (XLA un-rotation) keeps "sum").
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -158,7 +154,6 @@ class DecodeConfig:
     vparams: str = "auto"
     token_split: int = 0
     rotate_in_kernel: bool = False
-    merge: str = "sum"
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -180,8 +175,6 @@ class DecodeConfig:
             raise ValueError(f"vparams={self.vparams!r} must be 'auto', 'col', 'pair' or 'tile'")
         if self.ablate not in ("", "no_v"):
             raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
-        if self.merge not in ("sum", "online"):
-            raise ValueError(f"merge={self.merge!r} must be 'sum' or 'online'")
         if self.unpack not in ("asm", "jnp"):
             raise ValueError(f"unpack={self.unpack!r} must be 'asm' or 'jnp'")
         for name in ("fuse_ring", "rotate_in_kernel"):
