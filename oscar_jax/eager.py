@@ -82,7 +82,6 @@ def compiled(*, arrays: tuple[str, ...]) -> Callable[[Callable], Callable]:
                 return jitted(dynamic, static)
             return fn(*args, **kwargs)
 
-        wrapper.uncompiled = fn
         return wrapper
 
     return deco
