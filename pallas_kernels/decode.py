@@ -43,6 +43,7 @@ Launch parameters and their heuristic: ``pallas_kernels.decode_config``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -63,6 +64,7 @@ from pallas_kernels.decode_config import (
     _triton_params,
     choose_config,
 )
+from pallas_kernels import decode_merge
 from pallas_kernels.decode_int import GP, int_kernel
 
 
@@ -99,7 +101,49 @@ def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
 def quantized_partials(
     qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP, in_kernel_rotation: bool = False
 ):
-    """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]), acc in the rotated basis.
+    """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]), acc in the rotated basis:
+    ``int_partials`` with the padded rows sliced off and each sub-block as its own split.
+    """
+    raw = int_partials(qs, cache, cfg, nq=nq, rows=rows, in_kernel_rotation=in_kernel_rotation)
+    acc, m, lsum = raw.acc, raw.m, raw.lsum
+    b, h = acc.shape[:2]
+    if raw.sub == 1:
+        return tuple(x[:, :, : raw.ns, :rows] for x in (acc, m, lsum))
+    nsq = raw.ns - 1 if raw.ring else raw.ns
+
+    def splits(x):  # [B, H, NS, GP(, D)] -> [B, H, NS * S (+ 1), rows(, D)]
+        q = x[:, :, :nsq, : raw.sub * rows].reshape(b, h, nsq * raw.sub, rows, *x.shape[4:])
+        return jnp.concatenate([q, x[:, :, nsq : raw.ns, :rows]], axis=2) if raw.ring else q
+
+    return splits(acc), splits(m), splits(lsum)
+
+
+@dataclasses.dataclass(frozen=True)
+class RawPartials:
+    """The INT kernel's outputs as written: acc [B, H, Sp, GP, D], m, l [B, H, Sp, GP];
+    ``ns`` splits written (the fused ring's the last when ``ring``), each quantized split's
+    first ``sub`` x ``rows`` rows (row j * rows + r: query head r over sub-block j of the
+    split's tokens), the ring's first ``rows``; slots Sp >= ns past them are unwritten."""
+
+    acc: jax.Array
+    m: jax.Array
+    lsum: jax.Array
+    ns: int
+    sub: int
+    ring: bool
+
+
+def int_partials(
+    qs,
+    cache,
+    cfg: DecodeConfig,
+    *,
+    nq=None,
+    rows: int = GP,
+    in_kernel_rotation: bool = False,
+    split_slots=None,
+) -> RawPartials:
+    """One launch of the INT kernel over the quantized cache (and the fused ring).
 
     ``qs`` [B, H, S, GP, D] f32, scaled (``stack_queries``): S = 1, the rotated query;
     S = 2, also the plain query, and the residual ring is the extra last split. One
@@ -109,10 +153,9 @@ def quantized_partials(
     dots per program), so every partial, the fused ring's too, is in the original basis
     and the ring is fused. ``nq`` [B]: quantized tokens to read
     per row (a sequence shard's own count; default ``cache.num_quantized()``). The kernel
-    writes only the first ``rows`` query rows of ``acc`` (the real heads of the GQA
-    group); the padded rows are sliced off here. With two token sub-blocks
-    (``token_split``) each split comes back as 2 consecutive splits (the fused ring,
-    whose other rows are not attention, stays one last split).
+    writes only the rows of ``acc`` that hold real query heads (``RawPartials``).
+    ``split_slots(ns)``: the split axis of the outputs (default ns; ``decode_merge``
+    wants it padded).
     """
     kcfg = cache.cfg
     b, h, lq, db = cache.k_codes.shape
@@ -236,10 +279,11 @@ def quantized_partials(
         pl.BlockSpec((None, None, None, GP), lambda i, j, s: (i, j, s, 0)),
     ]
     f32 = jnp.float32
+    sp = ns if split_slots is None else split_slots(ns)
     out_shape = [
-        jax.ShapeDtypeStruct((b, h, ns, GP, d), f32),
-        jax.ShapeDtypeStruct((b, h, ns, GP), f32),
-        jax.ShapeDtypeStruct((b, h, ns, GP), f32),
+        jax.ShapeDtypeStruct((b, h, sp, GP, d), f32),
+        jax.ShapeDtypeStruct((b, h, sp, GP), f32),
+        jax.ShapeDtypeStruct((b, h, sp, GP), f32),
     ]
     kwargs = (
         {} if cfg.interpret else dict(compiler_params=_triton_params(cfg.num_warps, cfg.num_stages))
@@ -254,15 +298,7 @@ def quantized_partials(
         name=f"oscar_decode_int{bits}",
         **kwargs,
     )(*args)
-    if sub == 1:
-        return acc[..., :rows, :], m[..., :rows], lsum[..., :rows]
-    nsq = ns - 1 if ring else ns
-
-    def splits(x):  # [B, H, NS, GP(, D)] -> [B, H, NS * S (+ 1), rows(, D)]
-        q = x[:, :, :nsq, : sub * rows].reshape(b, h, nsq * sub, rows, *x.shape[4:])
-        return jnp.concatenate([q, x[:, :, nsq:, :rows]], axis=2) if ring else q
-
-    return splits(acc), splits(m), splits(lsum)
+    return RawPartials(acc, m, lsum, ns=ns, sub=sub, ring=bool(ring))
 
 
 def in_kernel_rotation_applies(kcfg, d: int) -> bool:
@@ -327,8 +363,19 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
     if kcfg.bits not in (2, 4):
         raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
-    if cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16:
-        if cfg.rotate_in_kernel and in_kernel_rotation_applies(kcfg, d):
+    fused = cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16
+    in_rot = fused and cfg.rotate_in_kernel and in_kernel_rotation_applies(kcfg, d)
+    # the Pallas merge needs every partial in the original basis
+    pallas_merge = fused and (in_rot or not kcfg.rotate_values) and cfg.merge != "xla"
+    if cfg.merge == "pallas" and not pallas_merge:
+        raise ValueError(
+            "merge='pallas' needs the fused ring and every partial in the original basis "
+            f"(rotate_in_kernel=True with a Hadamard rotation, or no value rotation); got "
+            f"fuse_ring={cfg.fuse_ring}, rotate_in_kernel={cfg.rotate_in_kernel}, "
+            f"rotation={kcfg.rotation!r}, rotate_values={kcfg.rotate_values}"
+        )
+    if fused:
+        if in_rot:
             qs, unrot = stack_queries(scale, qg), None  # every partial in the original basis
         else:
             q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
@@ -336,7 +383,17 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
             unrot = (
                 (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
             )
-        parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=qs.shape[2] == 1)
+        if pallas_merge:
+            raw = int_partials(
+                qs, cache, cfg, rows=g, in_kernel_rotation=in_rot,
+                split_slots=decode_merge.padded_splits,
+            )  # fmt: skip
+            out = decode_merge.merge(
+                raw.acc, raw.m, raw.lsum, ns=raw.ns, rows=g, sub=raw.sub, ring=raw.ring,
+                out_dtype=q.dtype, cols=min(cfg.merge_cols, d), interpret=cfg.interpret,
+            )  # fmt: skip
+            return out.reshape(b, hq, d)
+        parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=in_rot)
         acc, m, lsum = merge_splits(*parts, last_basis=unrot)
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
         return out.reshape(b, hq, d).astype(q.dtype)

@@ -139,6 +139,12 @@ class DecodeConfig:
       butterflies, ~600 instructions per thread against ~1,560 per 64-token block), in
       place of the two XLA GEMM launches around it. False: XLA rotates. The heuristic
       takes it where B x H >= 192 (``ROTATE_IN_KERNEL_ROWS``).
+    merge: how the split partials become the output where the ring is fused: "pallas"
+      (``decode_merge``: one launch, programs per (row, KV head, ``merge_cols``
+      channels); needs every partial in the original basis, i.e. ``rotate_in_kernel``
+      with a Hadamard rotation or no value rotation), "xla" (``merge_splits``, a max
+      reduction, the weighted sums, the un-rotation GEMM and the division) or "auto".
+    merge_cols: channels per program of the Pallas merge (a power of two >= 16).
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -154,6 +160,8 @@ class DecodeConfig:
     vparams: str = "auto"
     token_split: int = 0
     rotate_in_kernel: bool = False
+    merge: str = "auto"
+    merge_cols: int = 32
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -175,6 +183,11 @@ class DecodeConfig:
             raise ValueError(f"vparams={self.vparams!r} must be 'auto', 'col', 'pair' or 'tile'")
         if self.ablate not in ("", "no_v"):
             raise ValueError(f"ablate={self.ablate!r} must be '' or 'no_v'")
+        if self.merge not in ("auto", "xla", "pallas"):
+            raise ValueError(f"merge={self.merge!r} must be 'auto', 'xla' or 'pallas'")
+        mc = self.merge_cols
+        if isinstance(mc, bool) or not isinstance(mc, int | np.integer) or not _pow2(mc) or mc < 16:
+            raise ValueError(f"merge_cols={mc!r} must be a power of two >= 16")
         if self.unpack not in ("asm", "jnp"):
             raise ValueError(f"unpack={self.unpack!r} must be 'asm' or 'jnp'")
         for name in ("fuse_ring", "rotate_in_kernel"):

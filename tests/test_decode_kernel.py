@@ -154,6 +154,17 @@ CASES = {
         dict(method="oscar", rotation="random_orthogonal", lens=(300, 77)),
         dict(rotate_in_kernel=True),
     ),
+    # the split merge: one Pallas launch where every partial is in the original basis
+    # (the cases above with rotate_in_kernel or no value rotation take it by default)
+    "int2_d128_gqa6_split2_merge_pallas": (  # 6 query rows: merge tiles of 8, sliced
+        dict(method="oscar", gqa=6, h=1, lens=(517, 90, 0)),
+        dict(token_split=2, rotate_in_kernel=True, merge="pallas", merge_cols=64),
+    ),
+    "int2_d128_gqa4_split2_merge_xla": (
+        dict(method="oscar", lens=(700, 33, 0, 161), max_len=768),
+        dict(block_tokens=64, blocks_per_split=3, token_split=2, rotate_in_kernel=True,
+             merge="xla"),
+    ),  # fmt: skip
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
         dict(block_tokens=64, blocks_per_split=2),
@@ -234,6 +245,10 @@ class TestDecodeKernelGPU:
         )  # fmt: skip
         with pytest.raises(ValueError, match="16-bit norms"):
             self.decode(q, c32, token_split=2)
+        with pytest.raises(ValueError, match="merge='pallas'"):  # partials rotated
+            self.decode(q, cache, merge="pallas", rotate_in_kernel=False)
+        with pytest.raises(ValueError, match="merge='pallas'"):
+            self.decode(q, cache, merge="pallas", rotate_in_kernel=True, fuse_ring=False)
         with pytest.raises(ValueError, match="bits"):
             self.decode(*empty(bits=3, d=64))
         with pytest.raises(ValueError, match="head_dim"):
@@ -262,6 +277,10 @@ def test_heuristic_config():
         dict(token_split=4),
         dict(token_split=-1),
         dict(rotate_in_kernel=1),
+        dict(merge="nope"),
+        dict(merge_cols=24),
+        dict(merge_cols=8),
+        dict(merge_cols=True),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pdec.DecodeConfig(**bad)
@@ -299,6 +318,8 @@ def test_heuristic_config():
         ("oscar", {"vparams": "tile"}),
         ("oscar", {"token_split": 1}),
         ("oscar", {"rotate_in_kernel": True}),
+        ("oscar", {"rotate_in_kernel": True, "merge": "xla"}),
+        ("kivi", {}),
         ("bf16", {}),
     ],
 )

@@ -1,0 +1,155 @@
+"""The split merge of the INT decode kernel as one Pallas launch (lowered through Triton).
+
+``merge`` takes the INT kernel's raw split partials and returns the normalised attention
+output in the query's dtype: for each (row b, KV head h, query head r)::
+
+    M = max_s m[s, r],   w_s = exp(m[s, r] - M) if l[s, r] > 0 else 0
+    out[r] = sum_s w_s acc[s, r] / sum_s w_s l[s, r]      (0 where the sum is 0)
+
+It replaces the XLA tail of ``decode.decode_attention_pallas`` (a max reduction, the
+weighted sums, the selects and the division: four launches of ~1.2-1.5 us each on the
+H200, most of a 1 x 4K call's glue) where every partial is in the original basis (the
+in-kernel rotation, or no rotation of the values); an un-rotation needs all channels in
+one program, which session 12's tail kernel did with [D, D] operands, slower at batch 1.
+Here the programs are (b, h, channel block of ``cols``), so a batch-1 call still spreads
+over B x H x D / cols programs; each walks the splits in chunks with an online rescale.
+
+Einsum letters: B batch, H KV heads, S splits, R query rows of the MMA (GP = 16), D channels.
+
+Inputs, as ``decode.int_partials`` returns them: acc [B, H, Sp, GP, D] f32, m / l
+[B, H, Sp, GP] f32. Splits ``ns`` and beyond (up to Sp, a multiple of the chunk) and rows
+past the ones a split wrote are never written by the INT kernel: they are masked before
+any arithmetic. Rows: a quantized split wrote ``sub`` x ``rows`` rows (row j * rows + r:
+query head r over sub-block j of its tokens), the fused ring's split (the last,
+``ring=True``) ``rows`` rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.decode_config import _triton_params
+from pallas_kernels.decode_int import GP, NEG
+
+CHUNK = 16  # splits per loop step (H200: [16, 4, 32] f32 tiles, 16 registers a thread)
+
+
+def pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def padded_splits(ns: int) -> int:
+    """Split slots the INT kernel's outputs need for ``merge``: ``ns`` rounded up to the
+    chunk (the last chunk's loads stay in bounds; the extra slots are never written)."""
+    c = min(CHUNK, pow2_at_least(ns))
+    return -(-ns // c) * c
+
+
+def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, ns, nqs, rows, sub, chunk, interpret):
+    """m_ref / l_ref [Sp, GP], acc_ref [Sp, GP, C] -> o_ref [RR, C] (RR = rows rounded up
+    to a power of two; rows past ``rows`` are 0)."""
+    f32 = jnp.float32
+    rr, cols = o_ref.shape
+
+    def iota(shape, axis):
+        return jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+
+    def load(ref, idx, ok, other):
+        if interpret:  # interpret mode reads the (allocated, unwritten) slots, then masks
+            return jnp.where(ok, ref[idx], other)
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.load(ref.at[idx], mask=ok, other=other)
+
+    def part(j, s0):
+        """m, l [chunk, RR] and acc [chunk, RR, C] of sub-block j at splits s0.."""
+        top = ns if j == 0 else nqs  # rows j > 0 exist in the quantized splits only
+        ok = (s0 + iota((chunk, rr), 0) < top) & (iota((chunk, rr), 1) < rows)
+        idx = (pl.ds(s0, chunk), pl.ds(j * rows, rr))
+        m = load(m_ref, idx, ok, NEG)
+        lsum = load(l_ref, idx, ok, 0.0)
+        ok3 = jnp.broadcast_to(ok[:, :, None], (chunk, rr, cols))
+        acc = load(acc_ref, (*idx, slice(None)), ok3, 0.0)
+        return m, lsum, acc
+
+    def body(ci, carry):
+        mx, lx, ax = carry  # [RR], [RR], [RR, C]
+        parts = [part(j, pl.multiple_of(ci * chunk, chunk)) for j in range(sub)]
+        m_new = mx
+        for m, _, _ in parts:
+            m_new = jnp.maximum(m_new, jnp.max(m, axis=0))
+        corr = jnp.exp(mx - m_new)
+        lx, ax = lx * corr, ax * corr[:, None]
+        for m, lsum, acc in parts:
+            w = jnp.where(lsum > 0, jnp.exp(m - m_new[None, :]), 0.0)  # [chunk, RR]
+            lx = lx + jnp.sum(lsum * w, axis=0)
+            ax = ax + jnp.sum(acc * w[:, :, None], axis=0)
+        return m_new, lx, ax
+
+    init = (jnp.full((rr,), NEG, f32), jnp.zeros((rr,), f32), jnp.zeros((rr, cols), f32))
+    _, lx, ax = jax.lax.fori_loop(0, -(-ns // chunk), body, init)
+    out = jnp.where(lx[:, None] > 0, ax / jnp.where(lx > 0, lx, 1.0)[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def merge(
+    acc,  # [B, H, Sp, GP, D] f32
+    m,  # [B, H, Sp, GP] f32
+    lsum,  # [B, H, Sp, GP] f32
+    *,
+    ns: int,
+    rows: int,
+    sub: int,
+    ring: bool,
+    out_dtype,
+    cols: int = 32,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+):
+    """Raw INT-kernel partials -> normalised output [B, H, rows, D] in ``out_dtype``.
+
+    ``ns``: splits written (the fused ring's the last when ``ring``); Sp must be
+    ``padded_splits(ns)``. ``rows``: query heads per KV head; ``sub``: token sub-blocks
+    of the quantized splits (rows j * rows + r). ``cols``: channels per program.
+    """
+    b, h, sp, gp, d = acc.shape
+    if gp != GP or m.shape != (b, h, sp, gp) or lsum.shape != m.shape:
+        raise ValueError(f"acc.shape={acc.shape}, m.shape={m.shape} must be [B, H, Sp, {GP}(, D)]")
+    chunk = min(CHUNK, pow2_at_least(ns))
+    if sp != padded_splits(ns):
+        raise ValueError(f"acc.shape={acc.shape}: {padded_splits(ns)} split slots for {ns=}")
+    rr = pow2_at_least(rows)
+    if sub not in (1, 2) or sub * rows > GP or (sub - 1) * rows + rr > GP:
+        raise ValueError(f"{rows=} query rows with {sub=} sub-blocks must fit {GP} MMA rows")
+    if cols < 16 or cols & (cols - 1) or d % cols:
+        raise ValueError(f"{cols=} must be a power of two >= 16 dividing head_dim {d}")
+    kern = functools.partial(
+        _merge_kernel,
+        ns=ns,
+        nqs=ns - 1 if ring else ns,
+        rows=rows,
+        sub=sub,
+        chunk=chunk,
+        interpret=interpret,
+    )
+    kwargs = {} if interpret else dict(compiler_params=_triton_params(num_warps, num_stages))
+    out = pl.pallas_call(
+        kern,
+        grid=(b, h, d // cols),
+        in_specs=[
+            pl.BlockSpec((None, None, sp, gp), lambda i, j, c: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, sp, gp), lambda i, j, c: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, sp, gp, cols), lambda i, j, c: (i, j, 0, 0, c)),
+        ],
+        out_specs=pl.BlockSpec((None, None, rr, cols), lambda i, j, c: (i, j, 0, c)),
+        out_shape=jax.ShapeDtypeStruct((b, h, rr, d), out_dtype),
+        interpret=interpret,
+        name="oscar_decode_merge",
+        **kwargs,
+    )(m, lsum, acc)
+    return out if rr == rows else out[:, :, :rows]
