@@ -59,12 +59,12 @@ from oscar_jax.attention import (
     register_quantized_partial,
     residual_partial,
 )
+from pallas_kernels import decode_merge
 from pallas_kernels.decode_config import (
     DecodeConfig,
     _triton_params,
     choose_config,
 )
-from pallas_kernels import decode_merge
 from pallas_kernels.decode_int import GP, int_kernel
 
 

@@ -162,8 +162,9 @@ CASES = {
     ),
     "int2_d128_gqa4_split2_merge_xla": (
         dict(method="oscar", lens=(700, 33, 0, 161), max_len=768),
-        dict(block_tokens=64, blocks_per_split=3, token_split=2, rotate_in_kernel=True,
-             merge="xla"),
+        dict(
+            block_tokens=64, blocks_per_split=3, token_split=2, rotate_in_kernel=True, merge="xla"
+        ),
     ),  # fmt: skip
     "bf16_d128_gqa4": (
         dict(method="bf16", lens=(300, 77, 0), max_len=500),
