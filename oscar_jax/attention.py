@@ -133,9 +133,17 @@ DecodeFn = Callable[..., Array]
 _DECODERS: dict[str, DecodeFn] = {"xla": decode_attention_xla}
 
 
-def register_decode_attention(name: str, fn: DecodeFn) -> None:
-    """Register ``fn(q, cache, *, softmax_scale=None, **options)`` under ``name``."""
+_POISONING: set[str] = set()  # decoders that make flagged rows NaN themselves
+
+
+def register_decode_attention(name: str, fn: DecodeFn, *, poisons: bool = False) -> None:
+    """Register ``fn(q, cache, *, softmax_scale=None, **options)`` under ``name``.
+
+    ``poisons``: fn itself returns NaN for the rows with ``FLAG_NONFINITE`` (as
+    ``poison_flagged_rows``), e.g. inside a kernel, sparing the select after it.
+    """
     _DECODERS[name] = fn
+    (_POISONING.add if poisons else _POISONING.discard)(name)
 
 
 # The quantized part of one sequence shard, for ``oscar_jax.sharding``: "xla" is
@@ -177,7 +185,7 @@ def decode_attention(
     """
     fn = codec.lookup(_DECODERS, implementation, "decode_attention")
     out = fn(q, cache, softmax_scale=softmax_scale, **options)
-    return poison_flagged_rows(out, cache)
+    return out if implementation in _POISONING else poison_flagged_rows(out, cache)
 
 
 def poison_flagged_rows(out: Array, cache: KVCache) -> Array:

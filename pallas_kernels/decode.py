@@ -56,9 +56,11 @@ from oscar_jax import hadamard
 from oscar_jax.attention import (
     check_query,
     merge_partials,
+    poison_flagged_rows,
     register_quantized_partial,
     residual_partial,
 )
+from oscar_jax.cache import FLAG_NONFINITE
 from pallas_kernels import decode_merge
 from pallas_kernels.decode_config import (
     DecodeConfig,
@@ -99,12 +101,21 @@ def token_split(cfg: DecodeConfig, cache, rows: int) -> int:
 
 
 def quantized_partials(
-    qs, cache, cfg: DecodeConfig, *, nq=None, rows: int = GP, in_kernel_rotation: bool = False
+    qs,
+    cache,
+    cfg: DecodeConfig,
+    *,
+    nq=None,
+    rows: int = GP,
+    in_kernel_rotation: bool = False,
+    qscale: float | None = None,
 ):
     """Per-split (acc [B,H,NS,rows,D], m, l [B,H,NS,rows]), acc in the rotated basis:
     ``int_partials`` with the padded rows sliced off and each sub-block as its own split.
     """
-    raw = int_partials(qs, cache, cfg, nq=nq, rows=rows, in_kernel_rotation=in_kernel_rotation)
+    raw = int_partials(
+        qs, cache, cfg, nq=nq, rows=rows, in_kernel_rotation=in_kernel_rotation, qscale=qscale
+    )
     acc, m, lsum = raw.acc, raw.m, raw.lsum
     b, h = acc.shape[:2]
     if raw.sub == 1:
@@ -142,6 +153,7 @@ def int_partials(
     rows: int = GP,
     in_kernel_rotation: bool = False,
     split_slots=None,
+    qscale: float | None = None,
 ) -> RawPartials:
     """One launch of the INT kernel over the quantized cache (and the fused ring).
 
@@ -155,7 +167,10 @@ def int_partials(
     per row (a sequence shard's own count; default ``cache.num_quantized()``). The kernel
     writes only the rows of ``acc`` that hold real query heads (``RawPartials``).
     ``split_slots(ns)``: the split axis of the outputs (default ns; ``decode_merge``
-    wants it padded).
+    wants it padded). ``qscale`` (with ``in_kernel_rotation``, a power-of-two GQA ratio):
+    qs is the plain query as given, [B, H, rows, D] in its own dtype, and the kernel
+    scales it and fills its MMA rows itself (``decode_int._query_rows``), sparing the
+    XLA pad-and-scale launch.
     """
     kcfg = cache.cfg
     b, h, lq, db = cache.k_codes.shape
@@ -178,10 +193,18 @@ def int_partials(
     bps = min(cfg.blocks_per_split, lq // t)
     ns = -(-(lq // t) // bps)
     hn = cache.k_norm.shape[1]
-    if qs.ndim != 5 or qs.shape[:2] != (b, h) or qs.shape[2] not in (1, 2):
+    raw_q = qscale is not None
+    if raw_q:
+        if not in_kernel_rotation or qs.shape != (b, h, rows, d) or rows & (rows - 1):
+            raise ValueError(
+                f"qscale needs in_kernel_rotation and the query as ({b}, {h}, rows, {d}) with "
+                f"a power-of-two GQA ratio rows; got qs.shape={qs.shape}, {rows=}"
+            )
+    elif qs.ndim != 5 or qs.shape[:2] != (b, h) or qs.shape[2] not in (1, 2):
         raise ValueError(f"qs.shape={qs.shape} must be ({b}, {h}, 1 or 2, {GP}, {d})")
-    fused = qs.shape[2] == 2 or in_kernel_rotation
-    if in_kernel_rotation and (qs.shape[2] != 1 or not in_kernel_rotation_applies(kcfg, d)):
+    fused = in_kernel_rotation or (not raw_q and qs.shape[2] == 2)
+    nqs = 1 if raw_q else qs.shape[2]
+    if in_kernel_rotation and (nqs != 1 or not in_kernel_rotation_applies(kcfg, d)):
         raise ValueError(
             f"in_kernel_rotation needs one plain query (qs.shape={qs.shape}) and a Hadamard "
             f"rotation of head_dim {d} (rotation={kcfg.rotation!r})"
@@ -193,7 +216,7 @@ def int_partials(
     else:
         nq = jnp.asarray(nq, jnp.int32)
     kc = cache.k_codes.reshape(b, h, lq // g, g // sub, sub * db)  # free: same bytes
-    if sub > 1:  # rows (j, h): query head h for sub-block j
+    if sub > 1 and not raw_q:  # rows (j, h): query head h for sub-block j
         qs = pad_query(jnp.tile(qs[:, :, :, :rows], (1, 1, 1, sub, 1)), jnp.float32)
     v_scale, v_zero, vpair, nvp = cache.v_scale, cache.v_zero, None, d // gv
     pdt = jnp.dtype(kcfg.scale_dtype)
@@ -228,13 +251,16 @@ def int_partials(
         rows=sub * rows,
         sub=sub,
         knpair=knpair,
+        qscale=qscale,
     )
     rot = (in_kernel_rotation and kcfg.rotate_keys, in_kernel_rotation and kcfg.rotate_values)
 
     def full(*shape):
         return pl.BlockSpec((None, None, *shape), lambda i, j, s: (i, j) + (0,) * len(shape))
 
-    def query(row):  # one of the S queries of qs [B, H, S, GP, D]
+    def query(row):  # one of the S queries of qs [B, H, S, GP, D], or the raw query
+        if raw_q:
+            return pl.BlockSpec((None, None, rows, d), lambda i, j, s: (i, j, 0, 0))
         return pl.BlockSpec((None, None, None, GP, d), lambda i, j, s: (i, j, row, 0, 0))
 
     in_specs = [
@@ -268,7 +294,7 @@ def int_partials(
         ns += 1
         in_specs += [
             pl.BlockSpec((1,), lambda i, j, s: (i,)),
-            query(qs.shape[2] - 1),
+            query(nqs - 1),
             full(cache.slots, d),
             full(cache.slots, d),
         ]
@@ -343,7 +369,8 @@ def stack_queries(scale, *qgs):
 
 
 def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
-    """``decode_attention(..., implementation="pallas")``; options: DecodeConfig fields."""
+    """``decode_attention(..., implementation="pallas")``; options: DecodeConfig fields.
+    Rows with ``FLAG_NONFINITE`` come back NaN (in the merge kernel where it runs)."""
     g = check_query(q, cache)
     kcfg = cache.cfg
     b, hq, d = q.shape
@@ -359,7 +386,8 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
         from pallas_kernels import decode_bf16
 
         cfg = choose_config(b, h, cache.slots, block=128, **options)
-        return decode_bf16.decode_bf16(qg * scale, cache, cfg).reshape(b, hq, d).astype(q.dtype)
+        out = decode_bf16.decode_bf16(qg * scale, cache, cfg)
+        return poison_flagged_rows(out.reshape(b, hq, d).astype(q.dtype), cache)
     if kcfg.bits not in (2, 4):
         raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
@@ -375,7 +403,10 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
             f"rotation={kcfg.rotation!r}, rotate_values={kcfg.rotate_values}"
         )
     if fused:
-        if in_rot:
+        qscale = None
+        if in_rot and g & (g - 1) == 0:  # the kernel scales and pads the query itself
+            qs, qscale, unrot = q.reshape(b, h, g, d), scale, None
+        elif in_rot:
             qs, unrot = stack_queries(scale, qg), None  # every partial in the original basis
         else:
             q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
@@ -386,17 +417,18 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
         if pallas_merge:
             raw = int_partials(
                 qs, cache, cfg, rows=g, in_kernel_rotation=in_rot,
-                split_slots=decode_merge.padded_splits,
+                split_slots=decode_merge.padded_splits, qscale=qscale,
             )  # fmt: skip
             out = decode_merge.merge(
                 raw.acc, raw.m, raw.lsum, ns=raw.ns, rows=g, sub=raw.sub, ring=raw.ring,
-                out_dtype=q.dtype, cols=min(cfg.merge_cols, d), interpret=cfg.interpret,
+                out_dtype=q.dtype, bad=cache.flags & FLAG_NONFINITE, cols=min(cfg.merge_cols, d),
+                interpret=cfg.interpret,
             )  # fmt: skip
             return out.reshape(b, hq, d)
-        parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=in_rot)
+        parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=in_rot, qscale=qscale)
         acc, m, lsum = merge_splits(*parts, last_basis=unrot)
         out = jnp.where(lsum[..., None] > 0, acc / jnp.where(lsum > 0, lsum, 1.0)[..., None], 0.0)
-        return out.reshape(b, hq, d).astype(q.dtype)
+        return poison_flagged_rows(out.reshape(b, hq, d).astype(q.dtype), cache)
     parts = [residual_partial(qg, cache, scale)]
     if cache.quant_capacity:
         q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
@@ -406,7 +438,7 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
         if kcfg.rotate_values:
             acc = hadamard.unrotate(acc, kcfg, dense=True)
         parts.append((acc, m, lsum))
-    return merge_partials(parts).reshape(b, hq, d).astype(q.dtype)
+    return poison_flagged_rows(merge_partials(parts).reshape(b, hq, d).astype(q.dtype), cache)
 
 
 def quantized_partial_pallas(q_rot, cache, scale, *, offset=0, **options):
@@ -441,5 +473,5 @@ def quantized_partial_pallas(q_rot, cache, scale, *, offset=0, **options):
     return merge_splits(*parts)
 
 
-oscar_jax.register_decode_attention("pallas", decode_attention_pallas)
+oscar_jax.register_decode_attention("pallas", decode_attention_pallas, poisons=True)
 register_quantized_partial("pallas", quantized_partial_pallas)

@@ -91,11 +91,25 @@ def _store_rows(ref, cols, val, rows):
         plgpu.store(ref.at[:, cols], val, mask=mask)
 
 
-def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, bs, rows):
+def _query_rows(ref, cols, qscale, rows):
+    """[GP, W] f32 query rows, channels ``cols``. ``qscale`` None: ``ref`` is the wrapper's
+    [GP, D] f32 block (scaled, rows filled). Else ``ref`` is the query as given, [g, D] in
+    its dtype (g a power of two): scaled here and tiled over the MMA rows, row r = head
+    r mod g for r < ``rows`` (the token sub-blocks' rows (j, h)), zero past them."""
+    if qscale is None:
+        return ref[:, cols]
+    x = ref[:, cols].astype(jnp.float32) * np.float32(qscale)  # [g, W]
+    g, w = x.shape
+    if g < GP:
+        x = jnp.broadcast_to(x[None], (GP // g, g, w)).reshape(GP, w)
+    return jnp.where(jax.lax.broadcasted_iota(jnp.int32, (GP, w), 0) < rows, x, 0.0)
+
+
+def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, bs, rows, qscale):
     """The full-precision residual ring, in the original basis (see ``_split_dot``)."""
     slots, d = kr_ref.shape
     n, nq = n_ref[0], nq_ref[0]
-    q = qp_ref[...]  # [GP, D] f32
+    q = _query_rows(qp_ref, slice(None), qscale, rows)  # [GP, D] f32
     half = kr_ref.dtype if kr_ref.dtype in (jnp.bfloat16, jnp.float16) else None
     base = nq % slots
 
@@ -147,7 +161,7 @@ def int_kernel(*refs, ring, rot=(False, False), **kw):
     @pl.when(s_id == last)
     def _():
         _ring_part(n_ref, quant_refs[0], qp_ref, kr_ref, vr_ref, *out_refs, bs=ring,
-                   rows=kw["rows"])  # fmt: skip
+                   rows=kw["rows"], qscale=kw.get("qscale"))  # fmt: skip
 
 
 # bit patterns per 16-bit dtype: the float ``base`` (unit spacing in [base, 2 base), so
@@ -252,6 +266,7 @@ def _int_quant_part(
     knpair=None,
     fq_ref=None,
     fo_ref=None,
+    qscale=None,
 ):
     """One block of T tokens = T / G key groups, one online-softmax step per block.
 
@@ -318,7 +333,7 @@ def _int_quant_part(
     def row_sub(shape):  # the sub-block j of each MMA row, [shape] int32
         return jnp.minimum(iota(shape, 0) // (rows // sub), sub - 1)
 
-    qs = [q_ref[:, pl.ds(i * p_w, p_w)] for i in range(c)]  # [GP, P] f32 per plane
+    qs = [_query_rows(q_ref, pl.ds(i * p_w, p_w), qscale, rows) for i in range(c)]  # [GP, P]
     if fq_ref is not None:  # the plain query, rotated once per program
         qs = _kron_rotate(qs, fq_ref, inverse=False, split=False)  # rounded to f16 anyway
     qs = [tile(x) for x in qs]  # [GP, S * P] per plane

@@ -36,6 +36,9 @@ from pallas_kernels.decode_config import _triton_params
 from pallas_kernels.decode_int import GP, NEG
 
 CHUNK = 16  # splits per loop step (H200: [16, 4, 32] f32 tiles, 16 registers a thread)
+# Chunks up to which the walk is unrolled. H200, 1 x 4K (65 splits, 5 chunks): a
+# fori_loop took 4.2-4.5 us, each step waiting on its own loads
+UNROLL = 8
 
 
 def pow2_at_least(n: int) -> int:
@@ -49,9 +52,11 @@ def padded_splits(ns: int) -> int:
     return -(-ns // c) * c
 
 
-def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, ns, nqs, rows, sub, chunk, interpret):
+def _merge_kernel(*refs, ns, nqs, rows, sub, chunk, interpret):
     """m_ref / l_ref [Sp, GP], acc_ref [Sp, GP, C] -> o_ref [RR, C] (RR = rows rounded up
     to a power of two; rows past ``rows`` are 0)."""
+    m_ref, l_ref, acc_ref, *bad, o_ref = refs
+    bad_ref = bad[0] if bad else None
     f32 = jnp.float32
     rr, cols = o_ref.shape
 
@@ -78,7 +83,8 @@ def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, ns, nqs, rows, sub, chunk, in
 
     def body(ci, carry):
         mx, lx, ax = carry  # [RR], [RR], [RR, C]
-        parts = [part(j, pl.multiple_of(ci * chunk, chunk)) for j in range(sub)]
+        s0 = ci * chunk if isinstance(ci, int) else pl.multiple_of(ci * chunk, chunk)
+        parts = [part(j, s0) for j in range(sub)]
         m_new = mx
         for m, _, _ in parts:
             m_new = jnp.maximum(m_new, jnp.max(m, axis=0))
@@ -90,9 +96,17 @@ def _merge_kernel(m_ref, l_ref, acc_ref, o_ref, *, ns, nqs, rows, sub, chunk, in
             ax = ax + jnp.sum(acc * w[:, :, None], axis=0)
         return m_new, lx, ax
 
-    init = (jnp.full((rr,), NEG, f32), jnp.zeros((rr,), f32), jnp.zeros((rr, cols), f32))
-    _, lx, ax = jax.lax.fori_loop(0, -(-ns // chunk), body, init)
+    carry = (jnp.full((rr,), NEG, f32), jnp.zeros((rr,), f32), jnp.zeros((rr, cols), f32))
+    nchunks = -(-ns // chunk)
+    if nchunks <= UNROLL:  # straight-line code: every chunk's loads issued up front
+        for ci in range(nchunks):
+            carry = body(ci, carry)
+    else:
+        carry = jax.lax.fori_loop(0, nchunks, body, carry)
+    _, lx, ax = carry
     out = jnp.where(lx[:, None] > 0, ax / jnp.where(lx > 0, lx, 1.0)[:, None], 0.0)
+    if bad_ref is not None:  # FLAG_NONFINITE rows: NaN (attention.poison_flagged_rows)
+        out = jnp.where(bad_ref[0] != 0, jnp.nan, out)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -106,6 +120,7 @@ def merge(
     sub: int,
     ring: bool,
     out_dtype,
+    bad=None,  # [B] int32, optional
     cols: int = 32,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -115,7 +130,9 @@ def merge(
 
     ``ns``: splits written (the fused ring's the last when ``ring``); Sp must be
     ``padded_splits(ns)``. ``rows``: query heads per KV head; ``sub``: token sub-blocks
-    of the quantized splits (rows j * rows + r). ``cols``: channels per program.
+    of the quantized splits (rows j * rows + r). ``bad`` [B]: rows whose output is NaN
+    where non-zero (``FLAG_NONFINITE``; the select XLA would add is one more launch).
+    ``cols``: channels per program.
     """
     b, h, sp, gp, d = acc.shape
     if gp != GP or m.shape != (b, h, sp, gp) or lsum.shape != m.shape:
@@ -138,18 +155,25 @@ def merge(
         interpret=interpret,
     )
     kwargs = {} if interpret else dict(compiler_params=_triton_params(num_warps, num_stages))
+    in_specs = [
+        pl.BlockSpec((None, None, sp, gp), lambda i, j, c: (i, j, 0, 0)),
+        pl.BlockSpec((None, None, sp, gp), lambda i, j, c: (i, j, 0, 0)),
+        pl.BlockSpec((None, None, sp, gp, cols), lambda i, j, c: (i, j, 0, 0, c)),
+    ]
+    args = [m, lsum, acc]
+    if bad is not None:
+        if jnp.shape(bad) != (b,):
+            raise ValueError(f"bad.shape={jnp.shape(bad)} must be ({b},)")
+        in_specs.append(pl.BlockSpec((1,), lambda i, j, c: (i,)))
+        args.append(jnp.asarray(bad, jnp.int32))
     out = pl.pallas_call(
         kern,
         grid=(b, h, d // cols),
-        in_specs=[
-            pl.BlockSpec((None, None, sp, gp), lambda i, j, c: (i, j, 0, 0)),
-            pl.BlockSpec((None, None, sp, gp), lambda i, j, c: (i, j, 0, 0)),
-            pl.BlockSpec((None, None, sp, gp, cols), lambda i, j, c: (i, j, 0, 0, c)),
-        ],
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, None, rr, cols), lambda i, j, c: (i, j, 0, c)),
         out_shape=jax.ShapeDtypeStruct((b, h, rr, d), out_dtype),
         interpret=interpret,
         name="oscar_decode_merge",
         **kwargs,
-    )(m, lsum, acc)
+    )(*args)
     return out if rr == rows else out[:, :, :rows]

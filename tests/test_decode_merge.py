@@ -70,16 +70,24 @@ class TestMergeGPU:
     def test_matches_xla_merge(self, name, dtype):
         b, h, ns, rows, sub, ring, d, cols = CASES[name]
         (acc, m, lsum), ref = make_partials(b, h, ns, rows, sub, ring, d)
+        bad = (jnp.arange(b) == 1).astype(jnp.int32)  # FLAG_NONFINITE on row 1: NaN
         out = decode_merge.merge(
+            acc, m, lsum, ns=ns, rows=rows, sub=sub, ring=ring, out_dtype=dtype, bad=bad,
+            cols=cols, interpret=self.INTERPRET,
+        )  # fmt: skip
+        assert out.shape == (b, h, rows, d) and out.dtype == dtype
+        out = np.asarray(out.astype(jnp.float32))
+        poisoned = np.asarray(bad) != 0
+        assert np.all(np.isnan(out[poisoned])) and np.all(np.isfinite(out[~poisoned]))
+        assert np.max(np.abs(out[0, 0])) == 0.0  # no split: zeros, not NaN
+        ref = np.where(poisoned[:, None, None, None], np.nan, np.asarray(ref))
+        t = tol(dtype)
+        np.testing.assert_allclose(out, ref, rtol=t["rtol"], atol=t["atol"])  # NaN == NaN
+        unpoisoned = decode_merge.merge(
             acc, m, lsum, ns=ns, rows=rows, sub=sub, ring=ring, out_dtype=dtype, cols=cols,
             interpret=self.INTERPRET,
         )  # fmt: skip
-        assert out.shape == (b, h, rows, d) and out.dtype == dtype
-        out = out.astype(jnp.float32)
-        assert bool(jnp.all(jnp.isfinite(out)))
-        assert float(jnp.max(jnp.abs(out[0, 0]))) == 0.0  # no split: zeros, not NaN
-        t = tol(dtype)
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=t["rtol"], atol=t["atol"])
+        assert np.all(np.isfinite(np.asarray(unpoisoned.astype(jnp.float32))))
 
     def test_bad_inputs(self):
         (acc, m, lsum), _ = make_partials(1, 1, 5, 4, 1, True, 64)
@@ -90,6 +98,8 @@ class TestMergeGPU:
             decode_merge.merge(acc, m, lsum, **{**kw, "ns": 9})
         with pytest.raises(ValueError, match="rows"):
             decode_merge.merge(acc, m, lsum, **{**kw, "rows": 9, "sub": 2})
+        with pytest.raises(ValueError, match="bad.shape"):
+            decode_merge.merge(acc, m, lsum, **{**kw, "bad": jnp.zeros((2,), jnp.int32)})
         with pytest.raises(ValueError, match="acc.shape"):
             decode_merge.merge(acc[..., :8, :], m, lsum, **kw)
 
