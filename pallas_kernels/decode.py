@@ -60,7 +60,6 @@ from oscar_jax.attention import (
     register_quantized_partial,
     residual_partial,
 )
-from oscar_jax.cache import FLAG_NONFINITE
 from pallas_kernels import decode_merge
 from pallas_kernels.decode_config import (
     DecodeConfig,
@@ -209,8 +208,9 @@ def int_partials(
             f"in_kernel_rotation needs one plain query (qs.shape={qs.shape}) and a Hadamard "
             f"rotation of head_dim {d} (rotation={kcfg.rotation!r})"
         )
-    if nq is None:
-        nq = cache.num_quantized().astype(jnp.int32)
+    nq_of = None
+    if nq is None:  # the kernel derives it from the lengths
+        nq, nq_of = cache.lengths.astype(jnp.int32), (kcfg.residual_length, g)
     elif fused or jnp.shape(nq) != (b,):
         raise ValueError(f"nq.shape={jnp.shape(nq)} must be ({b},), without the fused ring")
     else:
@@ -252,6 +252,7 @@ def int_partials(
         sub=sub,
         knpair=knpair,
         qscale=qscale,
+        nq_of=nq_of,
     )
     rot = (in_kernel_rotation and kcfg.rotate_keys, in_kernel_rotation and kcfg.rotate_values)
 
@@ -417,12 +418,13 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
         if pallas_merge:
             raw = int_partials(
                 qs, cache, cfg, rows=g, in_kernel_rotation=in_rot,
-                split_slots=decode_merge.padded_splits, qscale=qscale,
+                split_slots=lambda n: decode_merge.padded_splits(n, cfg.merge_chunk),
+                qscale=qscale,
             )  # fmt: skip
             out = decode_merge.merge(
                 raw.acc, raw.m, raw.lsum, ns=raw.ns, rows=g, sub=raw.sub, ring=raw.ring,
-                out_dtype=q.dtype, bad=cache.flags & FLAG_NONFINITE, cols=min(cfg.merge_cols, d),
-                interpret=cfg.interpret,
+                out_dtype=q.dtype, flags=cache.flags, cols=min(cfg.merge_cols, d),
+                chunk=cfg.merge_chunk, num_warps=cfg.merge_warps, interpret=cfg.interpret,
             )  # fmt: skip
             return out.reshape(b, hq, d)
         parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=in_rot, qscale=qscale)

@@ -144,7 +144,8 @@ class DecodeConfig:
       channels); needs every partial in the original basis, i.e. ``rotate_in_kernel``
       with a Hadamard rotation or no value rotation), "xla" (``merge_splits``, a max
       reduction, the weighted sums, the un-rotation GEMM and the division) or "auto".
-    merge_cols: channels per program of the Pallas merge (a power of two >= 16).
+    merge_cols: channels per program of the Pallas merge (a power of two >= 16);
+      merge_warps: its warps, merge_chunk: splits per step (powers of two).
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -162,6 +163,8 @@ class DecodeConfig:
     rotate_in_kernel: bool = False
     merge: str = "auto"
     merge_cols: int = 32
+    merge_warps: int = 1
+    merge_chunk: int = 16
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -188,6 +191,10 @@ class DecodeConfig:
         mc = self.merge_cols
         if isinstance(mc, bool) or not isinstance(mc, int | np.integer) or not _pow2(mc) or mc < 16:
             raise ValueError(f"merge_cols={mc!r} must be a power of two >= 16")
+        for name in ("merge_warps", "merge_chunk"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int | np.integer) or not _pow2(val):
+                raise ValueError(f"{name}={val!r} must be a power of two")
         if self.unpack not in ("asm", "jnp"):
             raise ValueError(f"unpack={self.unpack!r} must be 'asm' or 'jnp'")
         for name in ("fuse_ring", "rotate_in_kernel"):

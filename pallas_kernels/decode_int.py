@@ -105,10 +105,22 @@ def _query_rows(ref, cols, qscale, rows):
     return jnp.where(jax.lax.broadcasted_iota(jnp.int32, (GP, w), 0) < rows, x, 0.0)
 
 
-def _ring_part(n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, bs, rows, qscale):
+def quantized_tokens(nq_ref, nq_of):
+    """The row's quantized token count: ``nq_ref[0]``, or with ``nq_of`` = (R, G) derived
+    from the row's length in ``nq_ref`` as ``cache.quantized_count`` does (in the kernel,
+    so XLA runs no [B] launch for it)."""
+    if nq_of is None:
+        return nq_ref[0]
+    r, g = nq_of
+    return jax.lax.div(jnp.maximum(nq_ref[0] - r, 0), jnp.int32(g)) * g
+
+
+def _ring_part(
+    n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, bs, rows, qscale, nq_of
+):
     """The full-precision residual ring, in the original basis (see ``_split_dot``)."""
     slots, d = kr_ref.shape
-    n, nq = n_ref[0], nq_ref[0]
+    n, nq = n_ref[0], quantized_tokens(nq_ref, nq_of)
     q = _query_rows(qp_ref, slice(None), qscale, rows)  # [GP, D] f32
     half = kr_ref.dtype if kr_ref.dtype in (jnp.bfloat16, jnp.float16) else None
     base = nq % slots
@@ -161,7 +173,7 @@ def int_kernel(*refs, ring, rot=(False, False), **kw):
     @pl.when(s_id == last)
     def _():
         _ring_part(n_ref, quant_refs[0], qp_ref, kr_ref, vr_ref, *out_refs, bs=ring,
-                   rows=kw["rows"], qscale=kw.get("qscale"))  # fmt: skip
+                   rows=kw["rows"], qscale=kw.get("qscale"), nq_of=kw.get("nq_of"))  # fmt: skip
 
 
 # bit patterns per 16-bit dtype: the float ``base`` (unit spacing in [base, 2 base), so
@@ -267,6 +279,7 @@ def _int_quant_part(
     fq_ref=None,
     fo_ref=None,
     qscale=None,
+    nq_of=None,
 ):
     """One block of T tokens = T / G key groups, one online-softmax step per block.
 
@@ -316,7 +329,7 @@ def _int_quant_part(
     w = min(p_w, gv)  # channels per value chunk (one value group)
     nchunk = p_w // w
     ngt = t // g
-    nq = nq_ref[0]
+    nq = quantized_tokens(nq_ref, nq_of)
     start = s_id * bps * t
     nblk = jnp.clip((nq - start + t - 1) // t, 0, bps)
     nt = (((1,), (1,)), ((), ()))  # x @ y.T

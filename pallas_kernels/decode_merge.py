@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from oscar_jax.cache import FLAG_NONFINITE
 from pallas_kernels.decode_config import _triton_params
 from pallas_kernels.decode_int import GP, NEG
 
@@ -45,18 +46,18 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def padded_splits(ns: int) -> int:
+def padded_splits(ns: int, chunk: int = CHUNK) -> int:
     """Split slots the INT kernel's outputs need for ``merge``: ``ns`` rounded up to the
     chunk (the last chunk's loads stay in bounds; the extra slots are never written)."""
-    c = min(CHUNK, pow2_at_least(ns))
+    c = min(chunk, pow2_at_least(ns))
     return -(-ns // c) * c
 
 
 def _merge_kernel(*refs, ns, nqs, rows, sub, chunk, interpret):
     """m_ref / l_ref [Sp, GP], acc_ref [Sp, GP, C] -> o_ref [RR, C] (RR = rows rounded up
     to a power of two; rows past ``rows`` are 0)."""
-    m_ref, l_ref, acc_ref, *bad, o_ref = refs
-    bad_ref = bad[0] if bad else None
+    m_ref, l_ref, acc_ref, *flags, o_ref = refs
+    flags_ref = flags[0] if flags else None
     f32 = jnp.float32
     rr, cols = o_ref.shape
 
@@ -105,8 +106,8 @@ def _merge_kernel(*refs, ns, nqs, rows, sub, chunk, interpret):
         carry = jax.lax.fori_loop(0, nchunks, body, carry)
     _, lx, ax = carry
     out = jnp.where(lx[:, None] > 0, ax / jnp.where(lx > 0, lx, 1.0)[:, None], 0.0)
-    if bad_ref is not None:  # FLAG_NONFINITE rows: NaN (attention.poison_flagged_rows)
-        out = jnp.where(bad_ref[0] != 0, jnp.nan, out)
+    if flags_ref is not None:  # FLAG_NONFINITE rows: NaN (attention.poison_flagged_rows)
+        out = jnp.where((flags_ref[0] & FLAG_NONFINITE) != 0, jnp.nan, out)
     o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -120,9 +121,10 @@ def merge(
     sub: int,
     ring: bool,
     out_dtype,
-    bad=None,  # [B] int32, optional
+    flags=None,  # [B] int32, optional
     cols: int = 32,
-    num_warps: int = 4,
+    chunk: int = CHUNK,
+    num_warps: int = 1,
     num_stages: int = 2,
     interpret: bool = False,
 ):
@@ -130,16 +132,18 @@ def merge(
 
     ``ns``: splits written (the fused ring's the last when ``ring``); Sp must be
     ``padded_splits(ns)``. ``rows``: query heads per KV head; ``sub``: token sub-blocks
-    of the quantized splits (rows j * rows + r). ``bad`` [B]: rows whose output is NaN
-    where non-zero (``FLAG_NONFINITE``; the select XLA would add is one more launch).
-    ``cols``: channels per program.
+    of the quantized splits (rows j * rows + r). ``flags`` [B] (``KVCache.flags``): rows
+    with ``FLAG_NONFINITE`` come back NaN (the select XLA would add is one more launch).
+    ``cols``: channels per program; ``chunk``: splits per step (a power of two).
     """
     b, h, sp, gp, d = acc.shape
     if gp != GP or m.shape != (b, h, sp, gp) or lsum.shape != m.shape:
         raise ValueError(f"acc.shape={acc.shape}, m.shape={m.shape} must be [B, H, Sp, {GP}(, D)]")
-    chunk = min(CHUNK, pow2_at_least(ns))
-    if sp != padded_splits(ns):
-        raise ValueError(f"acc.shape={acc.shape}: {padded_splits(ns)} split slots for {ns=}")
+    if chunk < 1 or chunk & (chunk - 1):
+        raise ValueError(f"{chunk=} must be a power of two")
+    if sp != padded_splits(ns, chunk):
+        raise ValueError(f"acc.shape={acc.shape}: {padded_splits(ns, chunk)} split slots for {ns=}")
+    chunk = min(chunk, pow2_at_least(ns))
     rr = pow2_at_least(rows)
     if sub not in (1, 2) or sub * rows > GP or (sub - 1) * rows + rr > GP:
         raise ValueError(f"{rows=} query rows with {sub=} sub-blocks must fit {GP} MMA rows")
@@ -161,11 +165,11 @@ def merge(
         pl.BlockSpec((None, None, sp, gp, cols), lambda i, j, c: (i, j, 0, 0, c)),
     ]
     args = [m, lsum, acc]
-    if bad is not None:
-        if jnp.shape(bad) != (b,):
-            raise ValueError(f"bad.shape={jnp.shape(bad)} must be ({b},)")
+    if flags is not None:
+        if jnp.shape(flags) != (b,) or jnp.dtype(flags.dtype) != jnp.int32:
+            raise ValueError(f"flags {jnp.shape(flags)} {flags.dtype} must be ({b},) int32")
         in_specs.append(pl.BlockSpec((1,), lambda i, j, c: (i,)))
-        args.append(jnp.asarray(bad, jnp.int32))
+        args.append(flags)
     out = pl.pallas_call(
         kern,
         grid=(b, h, d // cols),

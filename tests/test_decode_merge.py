@@ -13,25 +13,28 @@ import pytest
 from conftest import gpu_available
 from tolerances import tol
 
+from oscar_jax.cache import FLAG_NONFINITE, FLAG_OVERFLOW
 from pallas_kernels import decode as pdec
 from pallas_kernels import decode_merge
 from pallas_kernels.decode_int import GP, NEG
 
-# (batch, kv heads, splits written incl. the ring, rows, sub-blocks, ring, head_dim, cols)
+# (batch, kv heads, splits written incl. the ring, rows, sub-blocks, ring, head_dim, cols,
+#  chunk, warps)
 CASES = {
-    "gqa4_sub2_ring_65": (2, 3, 65, 4, 2, True, 128, 32),
-    "gqa4_sub1_ring_5": (3, 2, 5, 4, 1, True, 64, 16),
-    "gqa1_sub2_noring_17": (2, 2, 17, 1, 2, False, 64, 64),
-    "gqa6_sub2_ring_9": (1, 2, 9, 6, 2, True, 128, 128),  # 6 rows: tiles of 8, sliced
-    "gqa3_sub1_ring_2": (2, 1, 2, 3, 1, True, 256, 32),
-    "gqa16_sub1_noring_33": (1, 2, 33, 16, 1, False, 64, 32),
-    "gqa8_sub2_ring_1": (2, 1, 1, 8, 2, True, 128, 32),  # the ring alone
+    "gqa4_sub2_ring_65": (2, 3, 65, 4, 2, True, 128, 32, 16, 1),
+    "gqa4_sub2_ring_65_oneshot": (2, 3, 65, 4, 2, True, 128, 16, 128, 4),
+    "gqa4_sub1_ring_5": (3, 2, 5, 4, 1, True, 64, 16, 16, 2),
+    "gqa1_sub2_noring_17": (2, 2, 17, 1, 2, False, 64, 64, 4, 1),  # 5 chunks
+    "gqa6_sub2_ring_9": (1, 2, 9, 6, 2, True, 128, 128, 16, 1),  # 6 rows: tiles of 8, sliced
+    "gqa3_sub1_ring_2": (2, 1, 2, 3, 1, True, 256, 32, 16, 1),
+    "gqa16_sub1_noring_33": (1, 2, 33, 16, 1, False, 64, 32, 1, 1),  # 33 steps: a fori_loop
+    "gqa8_sub2_ring_1": (2, 1, 1, 8, 2, True, 128, 32, 16, 1),  # the ring alone
 }
 
 
-def make_partials(b, h, ns, rows, sub, ring, d, seed=0):
+def make_partials(b, h, ns, rows, sub, ring, d, chunk=decode_merge.CHUNK, seed=0):
     """Raw partials as the INT kernel leaves them, and the XLA reference output."""
-    sp = decode_merge.padded_splits(ns)
+    sp = decode_merge.padded_splits(ns, chunk)
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     acc = jax.random.normal(ks[0], (b, h, sp, GP, d), jnp.float32)
     m = 3.0 * jax.random.normal(ks[1], (b, h, sp, GP), jnp.float32)
@@ -68,25 +71,25 @@ class TestMergeGPU:
     @pytest.mark.parametrize("name", sorted(CASES))
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     def test_matches_xla_merge(self, name, dtype):
-        b, h, ns, rows, sub, ring, d, cols = CASES[name]
-        (acc, m, lsum), ref = make_partials(b, h, ns, rows, sub, ring, d)
-        bad = (jnp.arange(b) == 1).astype(jnp.int32)  # FLAG_NONFINITE on row 1: NaN
+        b, h, ns, rows, sub, ring, d, cols, chunk, warps = CASES[name]
+        (acc, m, lsum), ref = make_partials(b, h, ns, rows, sub, ring, d, chunk)
+        kw = dict(cols=cols, chunk=chunk, num_warps=warps, interpret=self.INTERPRET)
+        flags = jnp.where(jnp.arange(b) == 1, FLAG_NONFINITE | FLAG_OVERFLOW, FLAG_OVERFLOW)
+        flags = flags.astype(jnp.int32)  # row 1 poisoned; another flag leaves a row alone
         out = decode_merge.merge(
-            acc, m, lsum, ns=ns, rows=rows, sub=sub, ring=ring, out_dtype=dtype, bad=bad,
-            cols=cols, interpret=self.INTERPRET,
-        )  # fmt: skip
+            acc, m, lsum, ns=ns, rows=rows, sub=sub, ring=ring, out_dtype=dtype, flags=flags, **kw
+        )
         assert out.shape == (b, h, rows, d) and out.dtype == dtype
         out = np.asarray(out.astype(jnp.float32))
-        poisoned = np.asarray(bad) != 0
+        poisoned = np.arange(b) == 1
         assert np.all(np.isnan(out[poisoned])) and np.all(np.isfinite(out[~poisoned]))
         assert np.max(np.abs(out[0, 0])) == 0.0  # no split: zeros, not NaN
         ref = np.where(poisoned[:, None, None, None], np.nan, np.asarray(ref))
         t = tol(dtype)
         np.testing.assert_allclose(out, ref, rtol=t["rtol"], atol=t["atol"])  # NaN == NaN
         unpoisoned = decode_merge.merge(
-            acc, m, lsum, ns=ns, rows=rows, sub=sub, ring=ring, out_dtype=dtype, cols=cols,
-            interpret=self.INTERPRET,
-        )  # fmt: skip
+            acc, m, lsum, ns=ns, rows=rows, sub=sub, ring=ring, out_dtype=dtype, **kw
+        )
         assert np.all(np.isfinite(np.asarray(unpoisoned.astype(jnp.float32))))
 
     def test_bad_inputs(self):
@@ -98,8 +101,10 @@ class TestMergeGPU:
             decode_merge.merge(acc, m, lsum, **{**kw, "ns": 9})
         with pytest.raises(ValueError, match="rows"):
             decode_merge.merge(acc, m, lsum, **{**kw, "rows": 9, "sub": 2})
-        with pytest.raises(ValueError, match="bad.shape"):
-            decode_merge.merge(acc, m, lsum, **{**kw, "bad": jnp.zeros((2,), jnp.int32)})
+        with pytest.raises(ValueError, match="chunk"):
+            decode_merge.merge(acc, m, lsum, **{**kw, "chunk": 3})
+        with pytest.raises(ValueError, match="flags"):
+            decode_merge.merge(acc, m, lsum, **{**kw, "flags": jnp.zeros((2,), jnp.int32)})
         with pytest.raises(ValueError, match="acc.shape"):
             decode_merge.merge(acc[..., :8, :], m, lsum, **kw)
 
