@@ -59,9 +59,12 @@ def aligned_impl(impl: str, bps: int) -> str:
         return pd.quantized_partial_pallas(q_rot, cache, scale, offset=offset,
                                            blocks_per_split=bps, **options)  # fmt: skip
 
-    oj.register_decode_attention(
-        name, functools.partial(pd.decode_attention_pallas, blocks_per_split=bps)
+    # the one-GPU call rotates the query in XLA, as the shards do (the in-kernel rotation
+    # rounds the rotated query to float16 once more)
+    one_gpu = functools.partial(
+        pd.decode_attention_pallas, blocks_per_split=bps, rotate_in_kernel=False
     )
+    oj.register_decode_attention(name, one_gpu, poisons=True)
     oj.attention.register_quantized_partial(name, partial)
     return name
 

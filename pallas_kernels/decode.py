@@ -165,7 +165,7 @@ def int_partials(
     and the ring is fused. ``nq`` [B]: quantized tokens to read
     per row (a sequence shard's own count; default ``cache.num_quantized()``). The kernel
     writes only the rows of ``acc`` that hold real query heads (``RawPartials``).
-    ``split_slots(ns)``: the split axis of the outputs (default ns; ``decode_merge``
+    ``split_slots(ns, sub)``: the split axis of the outputs (default ns; ``decode_merge``
     wants it padded). ``qscale`` (with ``in_kernel_rotation``, a power-of-two GQA ratio):
     qs is the plain query as given, [B, H, rows, D] in its own dtype, and the kernel
     scales it and fills its MMA rows itself (``decode_int._query_rows``), sparing the
@@ -306,7 +306,7 @@ def int_partials(
         pl.BlockSpec((None, None, None, GP), lambda i, j, s: (i, j, s, 0)),
     ]
     f32 = jnp.float32
-    sp = ns if split_slots is None else split_slots(ns)
+    sp = ns if split_slots is None else split_slots(ns, sub)
     out_shape = [
         jax.ShapeDtypeStruct((b, h, sp, GP, d), f32),
         jax.ShapeDtypeStruct((b, h, sp, GP), f32),
@@ -416,15 +416,20 @@ def decode_attention_pallas(q, cache, *, softmax_scale=None, **options):
                 (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
             )
         if pallas_merge:
+            cols = min(cfg.merge_cols, d) or decode_merge.auto_cols(b, h, d)
+
+            def slots(ns, sub):
+                step = decode_merge.step_splits(ns, g, sub, cols, cfg.merge_chunk)
+                return decode_merge.padded_splits(ns, step)
+
             raw = int_partials(
-                qs, cache, cfg, rows=g, in_kernel_rotation=in_rot,
-                split_slots=lambda n: decode_merge.padded_splits(n, cfg.merge_chunk),
+                qs, cache, cfg, rows=g, in_kernel_rotation=in_rot, split_slots=slots,
                 qscale=qscale,
             )  # fmt: skip
             out = decode_merge.merge(
                 raw.acc, raw.m, raw.lsum, ns=raw.ns, rows=g, sub=raw.sub, ring=raw.ring,
-                out_dtype=q.dtype, flags=cache.flags, cols=min(cfg.merge_cols, d),
-                chunk=cfg.merge_chunk, num_warps=cfg.merge_warps, interpret=cfg.interpret,
+                out_dtype=q.dtype, flags=cache.flags, cols=cols, chunk=cfg.merge_chunk,
+                num_warps=cfg.merge_warps, interpret=cfg.interpret,
             )  # fmt: skip
             return out.reshape(b, hq, d)
         parts = quantized_partials(qs, cache, cfg, rows=g, in_kernel_rotation=in_rot, qscale=qscale)

@@ -20,8 +20,10 @@ pipeline stages (2 and 4 were slower); 4 warps and 2 stages for the BF16 kernel.
 The residual ring is one extra split of the same launch (``fuse_ring``). Two token
 sub-blocks fill the padded MMA rows where they apply and a split walks >= 4 blocks
 (``token_split``, session 12: 2-3% at 1 x 128K and 8 x 32K, slower at 1 block per
-split). From B x H = 192 the INT kernel does the query rotation and the output
-un-rotation itself (``rotate_in_kernel``, session 14: 3-8% faster at 24 x 8K, 32 x 4K and
+split). The INT kernel does the query rotation and the output
+un-rotation itself and one Pallas launch merges the splits (``rotate_in_kernel``,
+``merge``, session 16: 2-19% faster at the four benchmark shapes; session 14, with the XLA
+merge, measured the in-kernel rotation alone: 3-8% faster at 24 x 8K, 32 x 4K and
 48 x 4K; 1-3% slower at 16 x 4K, 8 x 32K and batch 1). Every field can be overridden by
 keyword.
 """
@@ -40,12 +42,14 @@ TARGET_PROGRAMS = 8 * 132  # BF16 kernel: about 8 programs per H200 SM
 TARGET_PROGRAMS_INT = 4 * 132  # INT kernel: one wave (255 registers x 2 warps: 4 per SM)
 MAX_BLOCKS_PER_SPLIT = 32  # 8 x 32K: 57 blocks (one wave + a 9% tail) 0.280 ms, 31: 0.241
 PROGRAM_COST, RING_COST = 4.0, 3.0  # INT programs' fixed work and the ring split, in blocks
-# B x H from which the INT kernel rotates the query and un-rotates its partials itself. H200,
-# session 14, in-kernel against the XLA GEMMs in the same run (s14/r3, r4): 32 x 4K 0.1107 /
-# 0.1209 ms, 48 x 4K 0.1533 / 0.1586, 24 x 8K 0.1525 / 0.1581; 16 x 4K 0.0765 / 0.0758,
-# 8 x 32K 0.1916 / 0.1871, 1 x 128K 0.1018 / 0.1006, 1 x 4K 0.0190 / 0.0184 (the per-program
-# rotation work outweighs two small launches until the XLA un-rotation reads many rows)
-ROTATE_IN_KERNEL_ROWS = 192
+# B x H from which the INT kernel rotates the query and un-rotates its partials itself: all
+# (session 16). With the XLA merge it won only from 192 (session 14, s14/r3, r4: 32 x 4K
+# 0.1107 / 0.1209 ms, 48 x 4K 0.1533 / 0.1586; 16 x 4K 0.0765 / 0.0758, 8 x 32K 0.1916 /
+# 0.1871, 1 x 128K 0.1018 / 0.1006, 1 x 4K 0.0190 / 0.0184); with it the split merge is one
+# Pallas launch (decode_merge), the call is two launches, and it wins at every shape timed:
+# H200 s16/r3, against the XLA GEMMs and merge in the same run, 1 x 4K 0.0141 / 0.0173 ms,
+# 1 x 128K 0.0990 / 0.1013, 8 x 32K 0.1849 / 0.1902, 48 x 4K 0.1508 / 0.1516
+ROTATE_IN_KERNEL_ROWS = 1
 
 
 @functools.lru_cache(maxsize=512)
@@ -138,14 +142,22 @@ class DecodeConfig:
       partial itself (Kronecker factors: per program a few [16, W] x [W, W] dots and
       butterflies, ~600 instructions per thread against ~1,560 per 64-token block), in
       place of the two XLA GEMM launches around it. False: XLA rotates. The heuristic
-      takes it where B x H >= 192 (``ROTATE_IN_KERNEL_ROWS``).
+      takes it (``ROTATE_IN_KERNEL_ROWS``): with it every partial is in the original basis,
+      so the Pallas merge applies too.
     merge: how the split partials become the output where the ring is fused: "pallas"
       (``decode_merge``: one launch, programs per (row, KV head, ``merge_cols``
       channels); needs every partial in the original basis, i.e. ``rotate_in_kernel``
       with a Hadamard rotation or no value rotation), "xla" (``merge_splits``, a max
-      reduction, the weighted sums, the un-rotation GEMM and the division) or "auto".
-    merge_cols: channels per program of the Pallas merge (a power of two >= 16);
-      merge_warps: its warps, merge_chunk: splits per step (powers of two).
+      reduction, the weighted sums, the un-rotation GEMM and the division) or "auto"
+      ("pallas" where it applies). H200 (s16/r3), 1 x 4K: two launches of 9.1 and 2.2 us
+      against the INT kernel's 7.8 us and 7 XLA launches of 9.3 us with the XLA rotations.
+    merge_cols: channels per program of the Pallas merge, a power of two >= 16, or 0
+      (auto: 16 where B x H x D / 32 programs would be fewer than the H200's 132 SMs,
+      else 32; 1 x 4K 2.29 us at 16 against 2.64 at 32). merge_warps: its warps;
+      merge_chunk: splits per step (powers of two; capped so a step's tiles stay at 64
+      registers a thread). One 128-split step at 4 warps: 2.29 us at 1 x 4K (65
+      splits) against 3.7 for 16-split steps at 1 warp (a cross-thread reduction per
+      step) and 4.2-4.5 for a fori_loop over 16-split steps at 4 warps.
     interpret: run in Pallas interpret mode (CPU).
     """
 
@@ -162,9 +174,9 @@ class DecodeConfig:
     token_split: int = 0
     rotate_in_kernel: bool = False
     merge: str = "auto"
-    merge_cols: int = 32
-    merge_warps: int = 1
-    merge_chunk: int = 16
+    merge_cols: int = 0
+    merge_warps: int = 4
+    merge_chunk: int = 128
 
     def __post_init__(self):
         for name in ("block_tokens", "blocks_per_split", "num_warps", "num_stages"):
@@ -189,8 +201,10 @@ class DecodeConfig:
         if self.merge not in ("auto", "xla", "pallas"):
             raise ValueError(f"merge={self.merge!r} must be 'auto', 'xla' or 'pallas'")
         mc = self.merge_cols
-        if isinstance(mc, bool) or not isinstance(mc, int | np.integer) or not _pow2(mc) or mc < 16:
-            raise ValueError(f"merge_cols={mc!r} must be a power of two >= 16")
+        if isinstance(mc, bool) or not isinstance(mc, int | np.integer) or mc < 0:
+            raise ValueError(f"merge_cols={mc!r} must be 0 (auto) or a power of two >= 16")
+        if mc and (not _pow2(mc) or mc < 16):
+            raise ValueError(f"merge_cols={mc!r} must be 0 (auto) or a power of two >= 16")
         for name in ("merge_warps", "merge_chunk"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int | np.integer) or not _pow2(val):

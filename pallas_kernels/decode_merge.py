@@ -36,21 +36,34 @@ from oscar_jax.cache import FLAG_NONFINITE
 from pallas_kernels.decode_config import _triton_params
 from pallas_kernels.decode_int import GP, NEG
 
-CHUNK = 16  # splits per loop step (H200: [16, 4, 32] f32 tiles, 16 registers a thread)
-# Chunks up to which the walk is unrolled. H200, 1 x 4K (65 splits, 5 chunks): a
-# fori_loop took 4.2-4.5 us, each step waiting on its own loads
+CHUNK = 128  # splits per step, at most (DecodeConfig.merge_chunk)
+STEP_ELEMS = 16384  # f32 tile elements per step over the sub-blocks: 128 a thread at 4 warps
+# Steps up to which the walk is unrolled (all loads issued up front). H200, 1 x 4K (65
+# splits): a fori_loop over 5 steps of 16 took 4.2-4.5 us, each step waiting on its loads
 UNROLL = 8
+SMS = 132  # H200
+
+
+def auto_cols(b: int, h: int, d: int) -> int:
+    """Channels per program: 16 where 32 would give fewer programs than SMs, else 32."""
+    return min(d, 16 if b * h * (d // 32) < SMS else 32)
+
+
+def step_splits(ns: int, rows: int, sub: int, cols: int, chunk: int = CHUNK) -> int:
+    """Splits per step: ``chunk``, no more than the splits (rounded to a power of two),
+    and no more than ``STEP_ELEMS`` tile elements (all powers of two)."""
+    cap = max(1, STEP_ELEMS // (pow2_at_least(rows) * cols * sub))
+    return min(chunk, pow2_at_least(ns), cap)
 
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def padded_splits(ns: int, chunk: int = CHUNK) -> int:
+def padded_splits(ns: int, step: int) -> int:
     """Split slots the INT kernel's outputs need for ``merge``: ``ns`` rounded up to the
-    chunk (the last chunk's loads stay in bounds; the extra slots are never written)."""
-    c = min(chunk, pow2_at_least(ns))
-    return -(-ns // c) * c
+    step (the last step's loads stay in bounds; the extra slots are never written)."""
+    return -(-ns // step) * step
 
 
 def _merge_kernel(*refs, ns, nqs, rows, sub, chunk, interpret):
@@ -131,9 +144,10 @@ def merge(
     """Raw INT-kernel partials -> normalised output [B, H, rows, D] in ``out_dtype``.
 
     ``ns``: splits written (the fused ring's the last when ``ring``); Sp must be
-    ``padded_splits(ns)``. ``rows``: query heads per KV head; ``sub``: token sub-blocks
-    of the quantized splits (rows j * rows + r). ``flags`` [B] (``KVCache.flags``): rows
-    with ``FLAG_NONFINITE`` come back NaN (the select XLA would add is one more launch).
+    ``padded_splits(ns, step_splits(ns, rows, sub, cols, chunk))``. ``rows``: query heads
+    per KV head; ``sub``: token sub-blocks of the quantized splits (rows j * rows + r).
+    ``flags`` [B] (``KVCache.flags``): rows with ``FLAG_NONFINITE`` come back NaN (the
+    select XLA would add is one more launch).
     ``cols``: channels per program; ``chunk``: splits per step (a power of two).
     """
     b, h, sp, gp, d = acc.shape
@@ -141,14 +155,14 @@ def merge(
         raise ValueError(f"acc.shape={acc.shape}, m.shape={m.shape} must be [B, H, Sp, {GP}(, D)]")
     if chunk < 1 or chunk & (chunk - 1):
         raise ValueError(f"{chunk=} must be a power of two")
+    if cols < 16 or cols & (cols - 1) or d % cols:
+        raise ValueError(f"{cols=} must be a power of two >= 16 dividing head_dim {d}")
+    chunk = step_splits(ns, rows, sub, cols, chunk)
     if sp != padded_splits(ns, chunk):
         raise ValueError(f"acc.shape={acc.shape}: {padded_splits(ns, chunk)} split slots for {ns=}")
-    chunk = min(chunk, pow2_at_least(ns))
     rr = pow2_at_least(rows)
     if sub not in (1, 2) or sub * rows > GP or (sub - 1) * rows + rr > GP:
         raise ValueError(f"{rows=} query rows with {sub=} sub-blocks must fit {GP} MMA rows")
-    if cols < 16 or cols & (cols - 1) or d % cols:
-        raise ValueError(f"{cols=} must be a power of two >= 16 dividing head_dim {d}")
     kern = functools.partial(
         _merge_kernel,
         ns=ns,

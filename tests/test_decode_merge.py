@@ -32,9 +32,9 @@ CASES = {
 }
 
 
-def make_partials(b, h, ns, rows, sub, ring, d, chunk=decode_merge.CHUNK, seed=0):
+def make_partials(b, h, ns, rows, sub, ring, d, cols=32, chunk=decode_merge.CHUNK, seed=0):
     """Raw partials as the INT kernel leaves them, and the XLA reference output."""
-    sp = decode_merge.padded_splits(ns, chunk)
+    sp = decode_merge.padded_splits(ns, decode_merge.step_splits(ns, rows, sub, cols, chunk))
     ks = jax.random.split(jax.random.PRNGKey(seed), 4)
     acc = jax.random.normal(ks[0], (b, h, sp, GP, d), jnp.float32)
     m = 3.0 * jax.random.normal(ks[1], (b, h, sp, GP), jnp.float32)
@@ -72,7 +72,7 @@ class TestMergeGPU:
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
     def test_matches_xla_merge(self, name, dtype):
         b, h, ns, rows, sub, ring, d, cols, chunk, warps = CASES[name]
-        (acc, m, lsum), ref = make_partials(b, h, ns, rows, sub, ring, d, chunk)
+        (acc, m, lsum), ref = make_partials(b, h, ns, rows, sub, ring, d, cols, chunk)
         kw = dict(cols=cols, chunk=chunk, num_warps=warps, interpret=self.INTERPRET)
         flags = jnp.where(jnp.arange(b) == 1, FLAG_NONFINITE | FLAG_OVERFLOW, FLAG_OVERFLOW)
         flags = flags.astype(jnp.int32)  # row 1 poisoned; another flag leaves a row alone
@@ -93,7 +93,7 @@ class TestMergeGPU:
         assert np.all(np.isfinite(np.asarray(unpoisoned.astype(jnp.float32))))
 
     def test_bad_inputs(self):
-        (acc, m, lsum), _ = make_partials(1, 1, 5, 4, 1, True, 64)
+        (acc, m, lsum), _ = make_partials(1, 1, 5, 4, 1, True, 64)  # 8 split slots
         kw = dict(ns=5, rows=4, sub=1, ring=True, out_dtype=jnp.float32, interpret=True)
         with pytest.raises(ValueError, match="cols"):
             decode_merge.merge(acc, m, lsum, **{**kw, "cols": 24})
