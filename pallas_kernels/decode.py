@@ -26,10 +26,14 @@ partials are float32. Each split writes (acc, m, l), acc for the real query rows
 head h over tokens j, j + 2, .. (see ``decode_int._int_quant_part``). By default the
 residual ring is the launch's last split (the plain f32 query split into two 16-bit
 halves, so two tensor-core dots give ~f32 accuracy; its acc stays in the original
-basis); XLA merges the splits, un-rotating the quantized splits' weighted sum once.
-From B x H = 192 (``DecodeConfig.rotate_in_kernel``) the kernel itself rotates the query
-and un-rotates each split's acc with the Hadamard rotation's Kronecker factors (a few
-[16, W] x [W, W] dots per program), which saves the two XLA GEMM launches.
+basis). By default (``DecodeConfig.rotate_in_kernel``) the kernel itself scales and
+rotates the query and un-rotates each split's acc with the Hadamard rotation's Kronecker
+factors (a few [16, W] x [W, W] dots per program), and derives each row's quantized
+count from its length, so every partial is in the original basis and a second Pallas
+launch merges the splits into the output (``decode_merge``): a call is two launches.
+Otherwise (``rotate_in_kernel=False``, a rotation without Kronecker form, or
+``merge="xla"``) XLA rotates the query and merges the splits, un-rotating the quantized
+splits' weighted sum once (seven launches around the kernel at 1 x 4K).
 (An in-kernel [D, D] rotation and f32 FMA dots in the ring cost 2.2 KB of register
 spills per thread in the whole kernel: ``ptxas -v`` of the lowered IR.) With
 ``fuse_ring=False`` the ring goes
