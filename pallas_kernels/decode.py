@@ -71,6 +71,7 @@ from pallas_kernels.decode_config import (
     choose_config,
 )
 from pallas_kernels.decode_int import GP, int_kernel
+from pallas_kernels.decode_merge import merge_splits
 
 
 # -- the INT kernel ------------------------------------------------------------------
@@ -337,24 +338,6 @@ def in_kernel_rotation_applies(kcfg, d: int) -> bool:
     a rotation on keys or values with Kronecker form (``hadamard.kronecker_factor``)."""
     rotates = kcfg.rotate_keys or kcfg.rotate_values
     return rotates and hadamard.kronecker_factor(kcfg, d, d) is not None
-
-
-def merge_splits(acc, m, lsum, last_basis=None):
-    """Merge the split axis (2) of kernel partials: -> acc [B,H,GP,D], m, l (m=-inf if empty).
-
-    ``last_basis(x)`` maps the weighted sum of all splits but the last into the last
-    split's basis (the fused ring's acc is in the original basis, the quantized
-    splits' in the rotated one) before adding the last split.
-    """
-    mt = jnp.max(m, axis=2)
-    wgt = jnp.where(lsum > 0, jnp.exp(m - mt[:, :, None]), 0.0)
-    wacc = acc * wgt[..., None]
-    if last_basis is None:
-        acc = jnp.sum(wacc, axis=2)
-    else:
-        acc = last_basis(jnp.sum(wacc[:, :, :-1], axis=2)) + wacc[:, :, -1]
-    lt = jnp.sum(lsum * wgt, axis=2)
-    return acc, jnp.where(lt > 0, mt, -jnp.inf), lt
 
 
 def pad_query(qg, dtype=jnp.float16):

@@ -1,4 +1,5 @@
-"""The split merge of the INT decode kernel as one Pallas launch (lowered through Triton).
+"""The split merge of the decode kernels: in XLA (``merge_splits``) and as one Pallas
+launch (``merge``, lowered through Triton).
 
 ``merge`` takes the INT kernel's raw split partials and returns the normalised attention
 output in the query's dtype: for each (row b, KV head h, query head r)::
@@ -64,6 +65,24 @@ def padded_splits(ns: int, step: int) -> int:
     """Split slots the INT kernel's outputs need for ``merge``: ``ns`` rounded up to the
     step (the last step's loads stay in bounds; the extra slots are never written)."""
     return -(-ns // step) * step
+
+
+def merge_splits(acc, m, lsum, last_basis=None):
+    """Merge the split axis (2) of kernel partials: -> acc [B,H,GP,D], m, l (m=-inf if empty).
+
+    ``last_basis(x)`` maps the weighted sum of all splits but the last into the last
+    split's basis (the fused ring's acc is in the original basis, the quantized
+    splits' in the rotated one) before adding the last split.
+    """
+    mt = jnp.max(m, axis=2)
+    wgt = jnp.where(lsum > 0, jnp.exp(m - mt[:, :, None]), 0.0)
+    wacc = acc * wgt[..., None]
+    if last_basis is None:
+        acc = jnp.sum(wacc, axis=2)
+    else:
+        acc = last_basis(jnp.sum(wacc[:, :, :-1], axis=2)) + wacc[:, :, -1]
+    lt = jnp.sum(lsum * wgt, axis=2)
+    return acc, jnp.where(lt > 0, mt, -jnp.inf), lt
 
 
 def _merge_kernel(*refs, ns, nqs, rows, sub, chunk, interpret):

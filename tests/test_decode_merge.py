@@ -14,7 +14,6 @@ from conftest import gpu_available
 from tolerances import tol
 
 from oscar_jax.cache import FLAG_NONFINITE, FLAG_OVERFLOW
-from pallas_kernels import decode as pdec
 from pallas_kernels import decode_merge
 from pallas_kernels.decode_int import GP, NEG
 
@@ -55,7 +54,7 @@ def make_partials(b, h, ns, rows, sub, ring, d, cols=32, chunk=decode_merge.CHUN
         q = x[:, :, :nqs, : sub * rows].reshape(b, h, nqs * sub, rows, *x.shape[4:])
         return jnp.concatenate([q, x[:, :, nqs:ns, :rows]], axis=2) if ring else q
 
-    a, mm, ll = pdec.merge_splits(splits(acc), splits(m), splits(lsum))
+    a, mm, ll = decode_merge.merge_splits(splits(acc), splits(m), splits(lsum))
     ref = jnp.where(ll[..., None] > 0, a / jnp.where(ll > 0, ll, 1.0)[..., None], 0.0)
     return (acc, m, lsum), ref
 
