@@ -461,15 +461,13 @@ def _int_quant_part(
     )
     m, lsum, accs = jax.lax.fori_loop(0, nblk, body, init)
     if fo_ref is not None:  # chunk k of accs: channels k W..; the split's acc un-rotated
-        if vdt == f16:  # normalised, the rows are weighted means of float16 values: in range
-            inv = jnp.where(lsum > 0, 1.0 / jnp.where(lsum > 0, lsum, 1.0), 0.0)
+        if vdt == f16:  # rows scaled to [1, 2): in float16 range, 11 bits even for tiny ones
             amax = jnp.max(jnp.abs(accs[0]), axis=1)  # [GP]
             for a in accs[1:]:
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(a), axis=1))
-            up, down = _pow2_scale(amax)  # rows at [1, 2): float16 keeps 11 bits of tiny ones
-            accs = [a * (inv * up)[:, None] for a in accs]
-            accs = _kron_rotate(accs, fo_ref, inverse=True, split=False)
-            accs = [a * (lsum * down)[:, None] for a in accs]
+            up, down = _pow2_scale(amax)
+            accs = _kron_rotate([a * up[:, None] for a in accs], fo_ref, inverse=True, split=False)
+            accs = [a * down[:, None] for a in accs]
         else:
             accs = _kron_rotate(list(accs), fo_ref, inverse=True, split=True)
     for i in range(c):
