@@ -215,7 +215,7 @@ def int_partials(
         )
     nq_of = None
     if nq is None:  # the kernel derives it from the lengths
-        nq, nq_of = cache.lengths.astype(jnp.int32), (kcfg.residual_length, g)
+        nq, nq_of = cache.lengths.astype(jnp.int32), kcfg
     elif fused or jnp.shape(nq) != (b,):
         raise ValueError(f"nq.shape={jnp.shape(nq)} must be ({b},), without the fused ring")
     else:

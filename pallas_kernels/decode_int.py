@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from oscar_jax.cache import quantized_count
 from pallas_kernels.quantize_rotation import butterflies
 
 GP = 16  # MMA rows: the GQA query group is padded to this
@@ -118,13 +119,10 @@ def _query_rows(ref, cols, qscale, rows):
 
 
 def quantized_tokens(nq_ref, nq_of):
-    """The row's quantized token count: ``nq_ref[0]``, or with ``nq_of`` = (R, G) derived
-    from the row's length in ``nq_ref`` as ``cache.quantized_count`` does (in the kernel,
-    so XLA runs no [B] launch for it)."""
-    if nq_of is None:
-        return nq_ref[0]
-    r, g = nq_of
-    return jax.lax.div(jnp.maximum(nq_ref[0] - r, 0), jnp.int32(g)) * g
+    """The row's quantized token count: ``nq_ref[0]``, or with ``nq_of`` (the cache's
+    ``KVQuantConfig``) ``cache.quantized_count`` of the row's length in ``nq_ref``, computed
+    in the kernel so that XLA runs no [B] launch for it."""
+    return nq_ref[0] if nq_of is None else quantized_count(nq_ref[0], nq_of)
 
 
 def _ring_part(
