@@ -6,9 +6,11 @@
 with ``encode_keys_xla`` / ``encode_values_xla`` run on the same device (code
 mismatches, ulp distance of scales/zeros/norms). ``--bench`` times encoding K and V
 of a Qwen3-8B-shaped prefill (batch 1, 8 KV heads, head_dim 128, bf16, oscar, 2 bits)
-for 32K and 128K tokens: each timing chains N encodes inside one jit (each input
-perturbed by the previous output), takes the median of 5 calls for two N and
-reports the slope, so host dispatch cancels. Bandwidth = (bytes read + written) /
+for 32K and 128K tokens: each timing chains N encodes inside one jit (each waits for
+the previous output through an ``optimization_barrier``; see ``chain_fn``), takes the
+median of 5 calls for two N and reports the slope, so host dispatch cancels;
+``--profile`` adds each chain's kernels and their microseconds per encode from a
+profiler trace. Bandwidth = (bytes read + written) /
 time, compared with ``bench_decode.copy_bandwidth`` over 1 GiB.
 """
 
@@ -19,6 +21,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -133,21 +136,42 @@ def run_checks(log, limit=None):
     return rows
 
 
-def chain_time(enc, args, n1=2, n2=12, calls=5):
-    """Device seconds per encode: slope between chains of n1 and n2 encodes in one jit."""
+def chain_fn(enc, tie: str = "barrier", unroll: int = 4):
+    """A jitted loop of n iterations (n traced) of ``unroll`` chained encodes each.
+
+    ``tie="barrier"`` passes k and v through an ``optimization_barrier`` with the previous
+    output: each encode waits for the last and reads the same inputs. ``"bump"`` (the
+    harness until 2026-12-01) adds 1e-30 x a code of the previous output to one key; XLA
+    then rewrote all of k every encode (a ``loop_dynamic_update_slice_fusion``: 41 us at
+    32K tokens, 160 us at 128K on the H200, counted as encode time), and with
+    ``unroll`` > 1 it computes only the one code of the XLA path's inner encodes that the
+    next one reads (0.92 against 1.51 ms at 32K). Unrolling spreads the while loop's
+    per-iteration cost over ``unroll`` encodes.
+    """
 
     @jax.jit
-    def run(k, v, n):  # n traced: one compile serves both chain lengths
+    def run(k, v, n):  # n traced: one compile serves every chain length
         out = enc(k, v)
 
         def body(i, c):
             k, v, out = c
-            bump = out[0].codes[0, 0, 0, 0].astype(jnp.float32) * 1e-30
-            k = k.at[0, 0, 0, 0].add(bump.astype(k.dtype))
-            return k, v, enc(k, v)
+            for _ in range(unroll):
+                if tie == "barrier":
+                    k, v, out = jax.lax.optimization_barrier((k, v, out))
+                else:
+                    bump = out[0].codes[0, 0, 0, 0].astype(jnp.float32) * 1e-30
+                    k = k.at[0, 0, 0, 0].add(bump.astype(k.dtype))
+                out = enc(k, v)
+            return k, v, out
 
         return jax.lax.fori_loop(0, n, body, (k, v, out))[2]
 
+    return run
+
+
+def chain_time(enc, args, n1=2, n2=12, calls=5, tie: str = "barrier", unroll: int = 4):
+    """Device seconds per encode: slope between loops of n1 and n2 iterations in one jit."""
+    run = chain_fn(enc, tie, unroll)
     meds = []
     for n in (n1, n2):
         jax.block_until_ready(run(*args, n))
@@ -157,32 +181,55 @@ def chain_time(enc, args, n1=2, n2=12, calls=5):
             jax.block_until_ready(run(*args, n))
             ts.append(time.perf_counter() - t0)
         meds.append(statistics.median(ts))
-    return (meds[1] - meds[0]) / (n2 - n1)
+    return (meds[1] - meds[0]) / ((n2 - n1) * unroll)
+
+
+def chain_kernels(enc, args, n=6, tie: str = "barrier", unroll: int = 4) -> dict[str, float]:
+    """Microseconds per encode of each GPU kernel in a loop of n x unroll (+ 1) encodes,
+    from a profiler trace."""
+    from benchmarks.profile_decode import kernel_times
+
+    run = chain_fn(enc, tie, unroll)
+    jax.block_until_ready(run(*args, n))
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        jax.block_until_ready(run(*args, n))
+        jax.profiler.stop_trace()
+        times = kernel_times(d)
+    per = {name: float(np.sum(ds)) / (n * unroll + 1) for name, ds in times.items()}
+    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
 
 
 VARIANTS = {  # name -> encode options (None: the XLA path; "dense": XLA, matmul rotation)
     "xla": None,
     "xla dense": "dense",
-    "pallas gpb1 w2": dict(groups_per_block=1, num_warps=2),
-    "pallas gpb1 w2 fastdiv": dict(groups_per_block=1, num_warps=2, exact_division=False),
-    "pallas gpb1 w4": dict(groups_per_block=1, num_warps=4),
-    "pallas gpb1 w1": dict(groups_per_block=1, num_warps=1),
-    "pallas gpb2 w2": dict(groups_per_block=2, num_warps=2),
-    "pallas gpb2 w4": dict(groups_per_block=2, num_warps=4),
-    "pallas gpb4 w4": dict(groups_per_block=4, num_warps=4),
-    "pallas gpb4 w8": dict(groups_per_block=4, num_warps=8),
-    # group loops that Triton pipelines (cp.async prefetch of the next group's tiles)
-    "pallas gpb4 w2 s2": dict(groups_per_block=4, num_warps=2, num_stages=2),
-    "pallas gpb4 w2 s3": dict(groups_per_block=4, num_warps=2, num_stages=3),
-    "pallas gpb8 w2 s2": dict(groups_per_block=8, num_warps=2, num_stages=2),
-    "pallas gpb8 w2 s3": dict(groups_per_block=8, num_warps=2, num_stages=3),
-    "pallas gpb16 w2 s3": dict(groups_per_block=16, num_warps=2, num_stages=3),
-    "pallas gpb8 w4 s3": dict(groups_per_block=8, num_warps=4, num_stages=3),
-    "pallas gpb8 w1 s3": dict(groups_per_block=8, num_warps=1, num_stages=3),
+    "pallas": {},  # the defaults of ``quantize.encode``
+    "pallas fastdiv": dict(exact_division=False),
 }
+_KNOBS = {"gpb": "groups_per_block", "w": "num_warps", "s": "num_stages"}
 
 
-def run_bench(log, tokens=(32768, 131072), variants=None):
+def variant_options(name: str):
+    """Encode options of a variant: a VARIANTS name, or "pallas" followed by knobs
+    such as ``gpb4 w2 s2`` (groups per block, warps, stages) and ``fastdiv``."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    head, *knobs = name.split()
+    opts = {}
+    for knob in knobs:
+        key = knob.rstrip("0123456789")
+        if head != "pallas" or (knob != "fastdiv" and (key not in _KNOBS or key == knob)):
+            raise ValueError(
+                f"variant {name!r} must be one of {list(VARIANTS)} or 'pallas gpb4 w2 s2'"
+            )
+        if knob == "fastdiv":
+            opts["exact_division"] = False
+        else:
+            opts[_KNOBS[key]] = int(knob[len(key) :])
+    return opts
+
+
+def run_bench(log, tokens=(32768, 131072), variants=None, tie="barrier", unroll=4, profile=False):
     cfg = oj.preset("oscar", bits=2)
     bw_copy = copy_bandwidth(1 << 30, reps=12, calls=5)
     log(f"copy bandwidth (x -> -x, 1 GiB, read+write): {bw_copy / 1e12:.3f} TB/s")
@@ -200,15 +247,19 @@ def run_bench(log, tokens=(32768, 131072), variants=None):
             try:
                 if opts == "dense":  # the rotation as one [D, D] matmul instead of butterflies
                     hadamard.DENSE_DEFAULT = True
-                sec = chain_time(enc, (k, v))
+                sec = chain_time(enc, (k, v), tie=tie, unroll=unroll)
                 row = dict(
                     T=t,
                     variant=name,
+                    tie=tie,
+                    unroll=unroll,
                     ms=sec * 1e3,
                     tbps=nbytes / sec / 1e12,
                     frac_copy=nbytes / sec / bw_copy,
                     mbytes=nbytes / 2**20,
                 )
+                if profile:
+                    row["kernels_us"] = chain_kernels(enc, (k, v), tie=tie, unroll=unroll)
             except Exception as e:
                 row = dict(T=t, variant=name, error=f"{type(e).__name__}: {str(e)[:800]}")
             finally:
@@ -224,7 +275,23 @@ def main():
     ap.add_argument("--bench", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--tokens", default="32768,131072", help="comma-separated prefill lengths")
-    ap.add_argument("--variants", default="", help="comma-separated VARIANTS names (all if empty)")
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma-separated variants, e.g. 'pallas gpb4 w2 s2' (see variant_options)",
+    )
+    ap.add_argument(
+        "--tie",
+        choices=("bump", "barrier"),
+        default="barrier",
+        help="how each chained encode depends on the last (see chain_fn)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also trace each chain and report its kernels' us per encode",
+    )
+    ap.add_argument("--unroll", type=int, default=4, help="chained encodes per loop iteration")
     ap.add_argument("--checks", type=int, default=None, help="run only the first N checks")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -247,7 +314,9 @@ def main():
         if "xla" not in names:
             names.insert(0, "xla")
         tokens = tuple(int(x) for x in a.tokens.split(","))
-        res["bench"] = run_bench(log, tokens, {n: VARIANTS[n] for n in names})
+        res["bench"] = run_bench(
+            log, tokens, {n: variant_options(n) for n in names}, a.tie, a.unroll, a.profile
+        )
         xla = {r["T"]: r["ms"] for r in res["bench"]["rows"] if r["variant"] == "xla" and "ms" in r}
         print("\n| T | variant | ms | TB/s | frac of copy | speedup vs XLA |")
         print("|---|---|---|---|---|---|")
