@@ -29,7 +29,7 @@ import numpy as np
 
 import oscar_jax as oj
 import pallas_kernels  # noqa: F401  (registers implementation="pallas")
-from pallas_kernels import decode as pdec
+from pallas_kernels import decode_config as pcfg
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = ((1, 131072), (8, 32768), (48, 4096), (1, 4096))
@@ -317,7 +317,7 @@ def main():
 
     for s in args.shapes.split(","):
         b, c = (int(x) for x in s.split("x"))
-        log(f"heuristic for {s}: {pdec.choose_config(b, HKV, c, 32)}")
+        log(f"heuristic for {s}: {pcfg.choose_config(b, HKV, c, 32)}")
         results[s] = run_shape(b, c, args, log)
         save()
     header = (

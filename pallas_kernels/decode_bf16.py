@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode import pad_query
 from pallas_kernels.decode_config import DecodeConfig, _triton_params
 from pallas_kernels.decode_int import GP, NEG
 from pallas_kernels.decode_merge import merge_splits
+from pallas_kernels.decode_partials import pad_query
 
 
 def _load(ref, t0, t, limit, interpret):

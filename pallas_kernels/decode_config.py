@@ -129,7 +129,7 @@ class DecodeConfig:
       slower than "pair" at every shape timed on the H200 (2026-11-30, session 8).
     token_split: token sub-blocks per key group in the INT kernel's MMA rows: 2, 1 (off)
       or 0 (auto: 2 where it applies, i.e. 2 x GQA ratio <= 16, G >= 32 and 16-bit
-      norms, and each split walks >= 4 blocks; ``decode.token_split``). Rows (j, h)
+      norms, and each split walks >= 4 blocks; ``decode_partials.token_split``). Rows (j, h)
       hold query head h over the tokens j, j + 2, ..: the key tile of G tokens is read
       as [G / 2, 2 P] (the same bytes), the query as a block-diagonal A operand, so one
       key MMA and one softmax step serve 2 tokens on rows GQA leaves idle; the merge

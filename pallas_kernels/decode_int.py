@@ -87,7 +87,7 @@ def _pow2_scale(amax):
 
 def _half(word, j, dtype):
     """16-bit half j (0: the low one) of uint32 words as ``dtype``: the pairs that
-    ``decode._u32_pairs`` packs (value scales / zeros, token norms)."""
+    ``decode_partials._u32_pairs`` packs (value scales / zeros, token norms)."""
     half = ((word >> (16 * j)) & 0xFFFF).astype(jnp.uint16)
     return jax.lax.bitcast_convert_type(half, dtype)
 

@@ -17,7 +17,7 @@ over B x H x D / cols programs; each walks the splits in chunks with an online r
 
 Einsum letters: B batch, H KV heads, S splits, R query rows of the MMA (GP = 16), D channels.
 
-Inputs, as ``decode.int_partials`` returns them: acc [B, H, Sp, GP, D] f32, m / l
+Inputs, as ``decode_partials.int_partials`` returns them: acc [B, H, Sp, GP, D] f32, m / l
 [B, H, Sp, GP] f32. Splits ``ns`` and beyond (up to Sp, a multiple of the chunk) and rows
 past the ones a split wrote are never written by the INT kernel: they are masked before
 any arithmetic. Rows: a quantized split wrote ``sub`` x ``rows`` rows (row j * rows + r:

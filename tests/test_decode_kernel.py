@@ -16,7 +16,8 @@ from tolerances import tol
 
 import oscar_jax as oj
 import pallas_kernels  # noqa: F401  (registers implementation="pallas")
-from pallas_kernels import decode as pdec
+from pallas_kernels import decode_config as pcfg
+from pallas_kernels import decode_partials as ppart
 
 
 def make_case(
@@ -265,14 +266,14 @@ class TestDecodeKernelInterpret(TestDecodeKernelGPU):
 
 
 def test_heuristic_config():
-    c = pdec.choose_config(1, 8, 131072, 32, interpret=True)
+    c = pcfg.choose_config(1, 8, 131072, 32, interpret=True)
     assert c.block_tokens % 32 == 0 and c.blocks_per_split >= 4
-    c = pdec.choose_config(1, 8, 131072, 32, block_tokens=256, interpret=True)
+    c = pcfg.choose_config(1, 8, 131072, 32, block_tokens=256, interpret=True)
     assert c.block_tokens == 256
     with pytest.raises(ValueError, match="ablate"):
-        pdec.DecodeConfig(ablate="nope")
+        pcfg.DecodeConfig(ablate="nope")
     with pytest.raises(ValueError, match="unpack"):
-        pdec.DecodeConfig(unpack="nope")
+        pcfg.DecodeConfig(unpack="nope")
     for bad in (
         dict(vparams="nope"),
         dict(ring_rows=24),
@@ -288,28 +289,28 @@ def test_heuristic_config():
         dict(merge_cols=True),
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
-            pdec.DecodeConfig(**bad)
-    assert pdec.DecodeConfig().vparams == "auto" and pdec.DecodeConfig().ring_rows == 0
-    assert pdec.DecodeConfig().token_split == 0  # auto
+            pcfg.DecodeConfig(**bad)
+    assert pcfg.DecodeConfig().vparams == "auto" and pcfg.DecodeConfig().ring_rows == 0
+    assert pcfg.DecodeConfig().token_split == 0  # auto
 
     def split(bps=8, gqa=4, lq=1024, **kw):
         c = oj.init_cache(oj.preset("oscar", **kw), batch=1, max_len=lq, num_kv_heads=1,
                           head_dim=128)  # fmt: skip
-        cfg = pdec.DecodeConfig(block_tokens=64, blocks_per_split=bps, interpret=True)
-        return pdec.token_split(cfg, c, gqa)
+        cfg = pcfg.DecodeConfig(block_tokens=64, blocks_per_split=bps, interpret=True)
+        return ppart.token_split(cfg, c, gqa)
 
     assert split() == 2 and split(gqa=8) == 2 and split(gqa=1) == 2
     assert split(bps=3) == 1 and split(lq=128) == 1  # short splits: 3 blocks, none
     assert split(gqa=16) == 1 and split(group_size=16) == 1
     assert split(norm_dtype="float32") == 1 and split(norm_dtype="float16") == 2
-    assert pdec.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
+    assert pcfg.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
     # INT blocks per split (decode_config docstring): one wave of 32 at 1 x 128K, 1 at
     # 1 x 4K, 32 where full programs fill their last wave (8 x 32K, 8 x 33024: measured),
     # the list-scheduling choice where they leave it ragged (48 x 4K, 24 x 8K: measured)
     shapes = ((1, 131072), (8, 32768), (8, 33024), (48, 4096), (24, 8192), (1, 4096))
-    bps = [pdec.choose_config(b, 8, n, 32, interpret=True).blocks_per_split for b, n in shapes]
+    bps = [pcfg.choose_config(b, 8, n, 32, interpret=True).blocks_per_split for b, n in shapes]
     assert bps == [32, 32, 32, 16, 26, 1]
-    rik = [pdec.choose_config(b, 8, n, 32, interpret=True).rotate_in_kernel for b, n in shapes]
+    rik = [pcfg.choose_config(b, 8, n, 32, interpret=True).rotate_in_kernel for b, n in shapes]
     assert all(rik)  # with the Pallas merge: faster at every shape timed (session 16)
     from pallas_kernels import decode_merge as dm
 
@@ -318,7 +319,7 @@ def test_heuristic_config():
     assert dm.step_splits(65, 4, 1, 16) == 128 and dm.step_splits(65, 4, 2, 16) == 128
     assert dm.step_splits(65, 8, 2, 16) == 64 and dm.step_splits(5, 4, 2, 32) == 8
     assert dm.step_splits(65, 4, 1, 16, chunk=16) == 16
-    assert pdec.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
+    assert pcfg.choose_config(1, 8, 131072, interpret=True).num_warps == 4  # BF16 kernel
 
 
 @pytest.mark.parametrize(

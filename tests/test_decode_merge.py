@@ -50,7 +50,7 @@ def make_partials(b, h, ns, rows, sub, ring, d, cols=32, chunk=decode_merge.CHUN
     m = jnp.where(written, m, jnp.nan)
     lsum = jnp.where(written, lsum, jnp.nan)
 
-    def splits(x):  # as decode.quantized_partials lays them out
+    def splits(x):  # as decode_partials.quantized_partials lays them out
         q = x[:, :, :nqs, : sub * rows].reshape(b, h, nqs * sub, rows, *x.shape[4:])
         return jnp.concatenate([q, x[:, :, nqs:ns, :rows]], axis=2) if ring else q
 

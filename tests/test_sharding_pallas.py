@@ -22,7 +22,8 @@ import oscar_jax as oj
 import pallas_kernels  # noqa: F401  (registers implementation="pallas")
 from models.config import ModelConfig
 from oscar_jax import sharding as osh
-from pallas_kernels import decode as pdec
+from pallas_kernels import decode_config as pcfg
+from pallas_kernels import decode_partials as ppart
 
 B, H, GQA = 4, 4, 4
 MAX_LEN = 64 + 256  # R = 64: quantized capacity 256 = 2 sequence shards x 128 tokens
@@ -96,10 +97,10 @@ def test_bad_implementation_and_bf16_cache():
     with pytest.raises(ValueError, match="block_tokens"):
         osh.sharded_decode_attention(q, cache, mesh, block_tokens=64)  # options need pallas
     with pytest.raises(ValueError, match="nq.shape"):
-        qs = pdec.stack_queries(1.0, q.reshape(B, H, GQA, 64))
-        pdec.quantized_partials(qs, cache, pdec.choose_config(B, H, 256, 32), nq=jnp.zeros(3))
+        qs = ppart.stack_queries(1.0, q.reshape(B, H, GQA, 64))
+        ppart.quantized_partials(qs, cache, pcfg.choose_config(B, H, 256, 32), nq=jnp.zeros(3))
     with pytest.raises(ValueError, match="qs.shape"):
-        pdec.quantized_partials(q, cache, pdec.choose_config(B, H, 256, 32))
+        ppart.quantized_partials(q, cache, pcfg.choose_config(B, H, 256, 32))
     # a bf16 cache (its ring split along slots): the BF16 kernel on each slice under "pallas"
     # (rows ending in shard 0, in shard 1, and one of 7 tokens); it takes 16-bit caches only
     k, v = kv_with_sinks(3, B, 200, H, 64)
