@@ -6,12 +6,11 @@
 with ``encode_keys_xla`` / ``encode_values_xla`` run on the same device (code
 mismatches, ulp distance of scales/zeros/norms). ``--bench`` times encoding K and V
 of a Qwen3-8B-shaped prefill (batch 1, 8 KV heads, head_dim 128, bf16, oscar, 2 bits)
-for 32K and 128K tokens: each timing chains N encodes inside one jit (each waits for
-the previous output through an ``optimization_barrier``; see ``chain_fn``), takes the
-median of 5 calls for two N and reports the slope, so host dispatch cancels;
-``--profile`` adds each chain's kernels and their microseconds per encode from a
-profiler trace. Bandwidth = (bytes read + written) /
-time, compared with ``bench_decode.copy_bandwidth`` over 1 GiB.
+for 32K and 128K tokens as the device time of each encode's kernels, summed from a
+profiler trace of 10 calls (``kernel_time``: host dispatch and the gaps between XLA's
+kernels excluded, which favours the many-kernel XLA path); ``--chain`` adds the slope of
+chained encodes inside one jit (``chain_time``). Bandwidth = (bytes read + written) /
+kernel time, against a 1 GiB device copy timed the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import oscar_jax as oj  # noqa: E402
-from benchmarks.bench_decode import copy_bandwidth  # noqa: E402
 from oscar_jax import hadamard  # noqa: E402
 from pallas_kernels import quantize as qk  # noqa: E402
 
@@ -136,42 +134,33 @@ def run_checks(log, limit=None):
     return rows
 
 
-def chain_fn(enc, tie: str = "barrier", unroll: int = 4):
-    """A jitted loop of n iterations (n traced) of ``unroll`` chained encodes each.
+def chain_fn(enc):
+    """A jitted loop of n encodes (n traced), each waiting for the previous one.
 
-    ``tie="barrier"`` passes k and v through an ``optimization_barrier`` with the previous
-    output: each encode waits for the last and reads the same inputs. ``"bump"`` (the
-    harness until 2026-12-01) adds 1e-30 x a code of the previous output to one key; XLA
-    then rewrote all of k every encode (a ``loop_dynamic_update_slice_fusion``: 41 us at
-    32K tokens, 160 us at 128K on the H200, counted as encode time), and with
-    ``unroll`` > 1 it computes only the one code of the XLA path's inner encodes that the
-    next one reads (0.92 against 1.51 ms at 32K). Unrolling spreads the while loop's
-    per-iteration cost over ``unroll`` encodes.
+    Each iteration passes k, v and the previous output through an
+    ``optimization_barrier`` and encodes k, v again; the output is the loop's carry, so
+    XLA computes every encode whole. (Until 2026-12-01 each encode added 1e-30 x a code of
+    the previous output to one key instead, and XLA rewrote all of k every encode: a
+    ``loop_dynamic_update_slice_fusion`` of 41 us at 32K tokens and 160 us at 128K on the
+    H200, counted as encode time. Unrolled encodes inside one iteration are no remedy:
+    XLA drops the barriers and merges the identical encodes.)
     """
 
     @jax.jit
     def run(k, v, n):  # n traced: one compile serves every chain length
-        out = enc(k, v)
-
         def body(i, c):
-            k, v, out = c
-            for _ in range(unroll):
-                if tie == "barrier":
-                    k, v, out = jax.lax.optimization_barrier((k, v, out))
-                else:
-                    bump = out[0].codes[0, 0, 0, 0].astype(jnp.float32) * 1e-30
-                    k = k.at[0, 0, 0, 0].add(bump.astype(k.dtype))
-                out = enc(k, v)
-            return k, v, out
+            k, v, out = jax.lax.optimization_barrier(c)
+            return k, v, enc(k, v)
 
-        return jax.lax.fori_loop(0, n, body, (k, v, out))[2]
+        return jax.lax.fori_loop(0, n, body, (k, v, enc(k, v)))[2]
 
     return run
 
 
-def chain_time(enc, args, n1=2, n2=12, calls=5, tie: str = "barrier", unroll: int = 4):
-    """Device seconds per encode: slope between loops of n1 and n2 iterations in one jit."""
-    run = chain_fn(enc, tie, unroll)
+def chain_time(enc, args, n1=2, n2=12, calls=5):
+    """Device seconds per encode: slope between chains of n1 and n2 encodes in one jit
+    (it includes the while loop's cost per iteration)."""
+    run = chain_fn(enc)
     meds = []
     for n in (n1, n2):
         jax.block_until_ready(run(*args, n))
@@ -181,23 +170,26 @@ def chain_time(enc, args, n1=2, n2=12, calls=5, tie: str = "barrier", unroll: in
             jax.block_until_ready(run(*args, n))
             ts.append(time.perf_counter() - t0)
         meds.append(statistics.median(ts))
-    return (meds[1] - meds[0]) / ((n2 - n1) * unroll)
+    return (meds[1] - meds[0]) / (n2 - n1)
 
 
-def chain_kernels(enc, args, n=6, tie: str = "barrier", unroll: int = 4) -> dict[str, float]:
-    """Microseconds per encode of each GPU kernel in a loop of n x unroll (+ 1) encodes,
-    from a profiler trace."""
+def kernel_time(fn, args, calls=10) -> tuple[float, dict[str, float]]:
+    """Device seconds of fn(*args)'s GPU kernels per call (their sum: gaps between them
+    and host dispatch excluded) and each kernel's microseconds, from a profiler trace of
+    ``calls`` separate jitted calls; (nan, {}) without a GPU."""
     from benchmarks.profile_decode import kernel_times
 
-    run = chain_fn(enc, tie, unroll)
-    jax.block_until_ready(run(*args, n))
+    f = jax.jit(fn)
+    jax.block_until_ready(f(*args))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
-        jax.block_until_ready(run(*args, n))
+        for _ in range(calls):
+            jax.block_until_ready(f(*args))
         jax.profiler.stop_trace()
         times = kernel_times(d)
-    per = {name: float(np.sum(ds)) / (n * unroll + 1) for name, ds in times.items()}
-    return dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    per = {name: float(np.sum(ds)) / calls for name, ds in times.items()}
+    per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    return (sum(per.values()) * 1e-6 if per else float("nan")), per
 
 
 VARIANTS = {  # name -> encode options (None: the XLA path; "dense": XLA, matmul rotation)
@@ -229,10 +221,17 @@ def variant_options(name: str):
     return opts
 
 
-def run_bench(log, tokens=(32768, 131072), variants=None, tie="barrier", unroll=4, profile=False):
+def run_bench(log, tokens=(32768, 131072), variants=None, chain=False):
+    """Each variant's device time per encode: its kernels' sum from a profiler trace
+    (``kernel_time``), and with ``chain`` also ``chain_time``'s slope. Bandwidth = bytes
+    read + written over the kernel time, against a 1 GiB copy (x -> -x) timed the same way.
+    """
     cfg = oj.preset("oscar", bits=2)
-    bw_copy = copy_bandwidth(1 << 30, reps=12, calls=5)
-    log(f"copy bandwidth (x -> -x, 1 GiB, read+write): {bw_copy / 1e12:.3f} TB/s")
+    x = jnp.ones((1 << 28,), jnp.float32)
+    copy_s, _ = kernel_time(lambda y: -y, (x,))
+    bw_copy = 2 * x.nbytes / copy_s
+    del x
+    log(f"copy bandwidth (x -> -x, 1 GiB, read+write, kernel time): {bw_copy / 1e12:.3f} TB/s")
     rows = []
     for t in tokens:
         k, v = make_kv(jax.random.PRNGKey(0), (1, 8, t, 128), jnp.bfloat16)
@@ -247,19 +246,18 @@ def run_bench(log, tokens=(32768, 131072), variants=None, tie="barrier", unroll=
             try:
                 if opts == "dense":  # the rotation as one [D, D] matmul instead of butterflies
                     hadamard.DENSE_DEFAULT = True
-                sec = chain_time(enc, (k, v), tie=tie, unroll=unroll)
+                sec, kernels = kernel_time(enc, (k, v))
                 row = dict(
                     T=t,
                     variant=name,
-                    tie=tie,
-                    unroll=unroll,
                     ms=sec * 1e3,
                     tbps=nbytes / sec / 1e12,
                     frac_copy=nbytes / sec / bw_copy,
                     mbytes=nbytes / 2**20,
+                    kernels_us=kernels,
                 )
-                if profile:
-                    row["kernels_us"] = chain_kernels(enc, (k, v), tie=tie, unroll=unroll)
+                if chain:
+                    row["chain_ms"] = chain_time(enc, (k, v)) * 1e3
             except Exception as e:
                 row = dict(T=t, variant=name, error=f"{type(e).__name__}: {str(e)[:800]}")
             finally:
@@ -280,18 +278,7 @@ def main():
         default="",
         help="comma-separated variants, e.g. 'pallas gpb4 w2 s2' (see variant_options)",
     )
-    ap.add_argument(
-        "--tie",
-        choices=("bump", "barrier"),
-        default="barrier",
-        help="how each chained encode depends on the last (see chain_fn)",
-    )
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="also trace each chain and report its kernels' us per encode",
-    )
-    ap.add_argument("--unroll", type=int, default=4, help="chained encodes per loop iteration")
+    ap.add_argument("--chain", action="store_true", help="also time chained encodes in one jit")
     ap.add_argument("--checks", type=int, default=None, help="run only the first N checks")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
@@ -314,17 +301,17 @@ def main():
         if "xla" not in names:
             names.insert(0, "xla")
         tokens = tuple(int(x) for x in a.tokens.split(","))
-        res["bench"] = run_bench(
-            log, tokens, {n: variant_options(n) for n in names}, a.tie, a.unroll, a.profile
-        )
+        res["bench"] = run_bench(log, tokens, {n: variant_options(n) for n in names}, a.chain)
         xla = {r["T"]: r["ms"] for r in res["bench"]["rows"] if r["variant"] == "xla" and "ms" in r}
-        print("\n| T | variant | ms | TB/s | frac of copy | speedup vs XLA |")
-        print("|---|---|---|---|---|---|")
+        print("\n| T | variant | kernel ms | chained ms | TB/s | of copy | vs XLA |")
+        print("|---|---|---|---|---|---|---|")
         for r in res["bench"]["rows"]:
             if "ms" in r:
+                chained = r.get("chain_ms", float("nan"))
                 print(
-                    f"| {r['T']} | {r['variant']} | {r['ms']:.4f} | {r['tbps']:.2f} | "
-                    f"{r['frac_copy']:.2f} | {xla.get(r['T'], float('nan')) / r['ms']:.1f}x |"
+                    f"| {r['T']} | {r['variant']} | {r['ms']:.4f} | {chained:.4f} | "
+                    f"{r['tbps']:.2f} | {r['frac_copy']:.2f} | "
+                    f"{xla.get(r['T'], float('nan')) / r['ms']:.1f}x |"
                 )
     with open(os.path.join(a.out, "quantize.json"), "w") as f:
         json.dump(res, f, indent=1)
