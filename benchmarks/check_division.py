@@ -1,18 +1,21 @@
-"""Exhaustive GPU check of the quantize kernel's division by the level count.
+"""Exhaustive GPU checks of the quantize kernel's divisions without ``div.rn``.
 
 The fused encoder (``pallas_kernels.quantize_numerics``) divides a group's range by
 ``levels`` (3 at 2 bits, 15 at 4 bits) with Markstein's correction step
-(``markstein_div_asm``) instead of ``div.rn.f32``.
-This script compares the two bit for bit for every non-negative float32 (all 2^31 bit
-patterns with the sign bit clear: zeros, subnormals, normals, inf and NaNs) in a Pallas
-kernel and prints the number of mismatches per level count (NaN against NaN counts as
-equal). Needs a GPU::
+(``markstein_div_asm``) and inverts float16 scales with one Newton step from
+``rcp.approx`` (``newton_rcp_asm``), both instead of ``div.rn.f32``. This script
+compares them with ``div.rn.f32`` bit for bit in Pallas kernels: the level division for
+every non-negative float32 (all 2^31 bit patterns with the sign bit clear: zeros,
+subnormals, normals, inf and NaNs; NaN against NaN counts as equal), the reciprocal for
+every positive finite float16 (the scales it is used on), and prints the mismatches.
+Needs a GPU::
 
-    PYTHONPATH=. python3 benchmarks/check_division.py
+    PYTHONPATH=. python3 benchmarks/check_division.py [--what levels|rcp|all]
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.quantize_numerics import markstein_div_asm, ptx_f32
+from pallas_kernels.quantize_numerics import markstein_div_asm, newton_rcp_asm, ptx_f32
 
 BLOCK = 1 << 16  # bit patterns per program
 
@@ -55,12 +58,57 @@ def mismatches(levels: int, base: int, programs: int):
     )()
 
 
+def rcp_mismatches() -> tuple[int, int]:
+    """(mismatches, values): ``newton_rcp_asm`` against ``div.rn.f32`` of 1 by x for every
+    positive finite float16 x (as float32)."""
+    h = jnp.arange(1, 0x7C00, dtype=jnp.uint16)  # +subnormals .. 65504; not 0, inf, NaN
+    x = jax.lax.bitcast_convert_type(h, jnp.float16).astype(jnp.float32)
+    n = x.size
+
+    def kernel(x_ref, o_ref):
+        a = x_ref[...]
+        f32 = jax.ShapeDtypeStruct(a.shape, jnp.float32)
+        (got,) = plgpu.elementwise_inline_asm(
+            newton_rcp_asm(), args=[a], constraints="=f,f", pack=1, result_shape_dtypes=[f32]
+        )
+        (want,) = plgpu.elementwise_inline_asm(
+            "div.rn.f32 $0, 0f3F800000, $1;", args=[a], constraints="=f,f", pack=1,
+            result_shape_dtypes=[f32],
+        )  # fmt: skip
+        same = jax.lax.bitcast_convert_type(got, jnp.int32) == jax.lax.bitcast_convert_type(
+            want, jnp.int32
+        )
+        o_ref[...] = jnp.where(same, 0, 1)
+
+    pad = -n % 1024
+    xp = jnp.concatenate([x, jnp.ones((pad,), jnp.float32)])
+    out = pl.pallas_call(
+        kernel,
+        grid=(xp.size // 1024,),
+        in_specs=[pl.BlockSpec((1024,), lambda i: (i,))],
+        out_specs=pl.BlockSpec((1024,), lambda i: (i,)),
+        out_shape=jax.ShapeDtypeStruct(xp.shape, jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        name="check_reciprocal",
+    )(xp)
+    return int(jnp.sum(out[:n])), n
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--what", choices=("levels", "rcp", "all"), default="all")
+    what = ap.parse_args().what
     if jax.devices()[0].platform != "gpu":
         print("needs a GPU")
         return 2
-    chunk = 1 << 14  # programs per call: 2^30 bit patterns
     bad = 0
+    if what in ("rcp", "all"):
+        n, total = rcp_mismatches()
+        print(f"float16 reciprocals: {n} mismatches of {total} positive finite float16")
+        bad += n
+    if what == "rcp":
+        return 1 if bad else 0
+    chunk = 1 << 14  # programs per call: 2^30 bit patterns
     for levels in (3, 15):
         n = 0
         for base in (0, chunk * BLOCK):  # 0 .. 2^31 - 1: every pattern with sign bit 0

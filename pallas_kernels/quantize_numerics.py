@@ -63,6 +63,43 @@ def markstein_div_asm(levels: int) -> str:
     ])  # fmt: skip
 
 
+def newton_rcp_asm() -> str:
+    """Inline PTX for ``$0 = 1 / $1`` of a positive finite float16 value held in float32,
+    correctly rounded without ``div.rn``'s check and slow path: y = rcp.approx (within 1
+    ulp), e = fma(-x, y, 1), then fma(y, e, y), whose error is below 2^-46 relative. A
+    float16 x = M 2^k (integer M < 2^11) has 1 / x at least 2^-35 relative from any
+    float32 rounding midpoint, so that result rounds to the IEEE quotient; x and 1 / x
+    are normal float32, so ``.ftz`` changes nothing. Checked against ``div.rn.f32`` for
+    every positive finite float16 on the H200 (``benchmarks/check_division.py``).
+    """
+    return "\n".join([
+        "{",
+        ".reg .f32 y, e;",
+        "rcp.approx.ftz.f32 y, $1;",
+        "neg.f32 e, $1;",
+        "fma.rn.f32 e, e, y, 0f3F800000;",
+        "fma.rn.f32 $0, y, e, y;",
+        "}",
+    ])  # fmt: skip
+
+
+def _inv_scale(s32, spec):
+    """1 / s of stored scales s (f32 [..]), 0 where s <= 0 or NaN, IEEE-rounded as the
+    reference's ``where(s > 0, 1 / s, 0)``. Float16 scales take ``newton_rcp_asm`` (3
+    instructions where ``div.rn`` takes ~10 with a branch; 40 of them a thread a group);
+    s = inf gives 0 as 1 / inf does."""
+    pos = s32 > 0
+    f16 = jnp.dtype(spec.cfg.scale_dtype) == jnp.float16
+    if spec.interpret or not spec.tuning.exact_division or not f16:
+        return jnp.where(pos, _div(jnp.ones_like(s32), jnp.where(pos, s32, 1.0), spec), 0.0)
+    fin = pos & (s32 < np.float32(np.inf))
+    (out,) = plgpu.elementwise_inline_asm(
+        newton_rcp_asm(), args=[jnp.where(fin, s32, 1.0)], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(s32.shape, jnp.float32)],
+    )  # fmt: skip
+    return jnp.where(fin, out, 0.0)
+
+
 def _div_levels(a, levels: int, spec):
     """a / levels as ``_div`` rounds it (a >= 0: a group's max - min)."""
     if spec.interpret or not spec.tuning.exact_division:
@@ -116,8 +153,7 @@ def _quantize(y, mn, mx, spec, into=None, shift: int = 0):
     scale = _div_levels(mx - mn, levels, spec).astype(spec.cfg.scale_dtype)
     zero = mn.astype(spec.cfg.scale_dtype)
     s32, z32 = scale.astype(jnp.float32), zero.astype(jnp.float32)
-    pos = s32 > 0
-    inv = jnp.where(pos, _div(jnp.ones_like(s32), jnp.where(pos, s32, 1.0), spec), 0.0)
+    inv = _inv_scale(s32, spec)
     return scale, zero, _codes((y - z32) * inv, levels, spec, into, shift)
 
 

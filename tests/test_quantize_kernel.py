@@ -17,7 +17,9 @@ Agreement, measured (see benchmarks/results/quantize.md):
 """
 
 import functools
+import math
 import zlib
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -178,6 +180,15 @@ class TestQuantizeKernelGPU:
             for base in (0, 0x3F000000, 0x7E000000, 0x7F800000 - 32 * BLOCK):
                 assert int(jnp.sum(mismatches(levels, base, 64))) == 0, (levels, hex(base))
 
+    def test_float16_reciprocal_matches_div_rn(self):
+        """The compiled Newton reciprocal of float16 scales equals div.rn.f32 of 1 by x for
+        every positive finite float16 (31,743 values)."""
+        if self.INTERPRET:
+            pytest.skip("inline PTX runs on a GPU only; interpret mode divides with jnp")
+        from benchmarks.check_division import rcp_mismatches
+
+        assert rcp_mismatches()[0] == 0
+
     def test_degenerate_groups_no_nan(self):
         cfg = oj.preset("oscar", bits=2)
         k, v = head_major_kv(5, 1, 64, 2, 64, jnp.bfloat16)
@@ -297,3 +308,32 @@ def test_kronecker_factors_equal_the_dense_rotation(rotation, d, bits, g):
     got = np.concatenate(qr.butterflies(zs), axis=1)  # integers: exact in float64
     want = np.round(x @ oj.rotation_matrix(cfg, d).T * np.sqrt(d))
     np.testing.assert_array_equal(got, want)
+
+
+def _round_f32(x: Fraction) -> Fraction:
+    """x rounded to the nearest float32, ties to even (normal range)."""
+    e = math.floor(math.log2(x))
+    if Fraction(2) ** e > x:
+        e -= 1
+    elif Fraction(2) ** (e + 1) <= x:
+        e += 1
+    ulp = Fraction(2) ** (e - 23)
+    q, r = divmod(x, ulp)
+    if r * 2 > ulp or (r * 2 == ulp and q % 2):
+        q += 1
+    return q * ulp
+
+
+def test_newton_reciprocal_rounds_every_float16_like_ieee():
+    """The arithmetic of ``quantize_numerics.newton_rcp_asm``, exactly: from an approximate
+    reciprocal up to 1 float32 ulp off either way (rcp.approx's bound), e = RN(1 - x y) and
+    RN(y + y e) give the correctly rounded 1 / x for every positive finite float16 x."""
+    h = np.arange(1, 0x7C00, dtype=np.uint16)
+    xs = h.view(np.float16).astype(np.float64)
+    for x in map(Fraction, xs.tolist()):
+        want = _round_f32(1 / x)
+        ulp = Fraction(2) ** (math.floor(math.log2(want)) - 23)
+        for y in (want - ulp, want, want + ulp):
+            one_minus = 1 - x * y
+            e = _round_f32(abs(one_minus)) * (1 if one_minus >= 0 else -1) if one_minus else 0
+            assert _round_f32(y + y * e) == want, (float(x), float(y))
