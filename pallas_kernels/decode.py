@@ -11,7 +11,7 @@ With ``q' = R q`` (rotated once per step in XLA, softmax scale folded in), key g
     out[:, grp] = dot(p, code[:, grp] * vs[:, grp] + vz[:, grp])
 
 Each packed code tile is dequantized in the tensor-core operand registers it is read
-into (``decode_int._dequant``: bit-pattern int->float and packed 16-bit fmas, inline
+into (``decode_tiles.dequant``: bit-pattern int->float and packed 16-bit fmas, inline
 PTX), so nothing but the packed bytes and their parameters crosses memory and no
 tile takes a shared-memory layout change. The key MMA is float16 (the dequantized
 keys and the scaled query must stay below 65504, as for any float16 kernel), the

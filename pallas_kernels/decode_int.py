@@ -19,77 +19,17 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from oscar_jax.cache import quantized_count
-from pallas_kernels.quantize_rotation import butterflies
+from pallas_kernels.decode_tiles import (
+    dequant,
+    hi_lo,
+    kron_rotate,
+    pow2_scale,
+    split_dot,
+    word_half,
+)
 
 GP = 16  # MMA rows: the GQA query group is padded to this
 NEG = -1e30  # finite 'minus infinity' of the online softmax
-
-
-def _split_dot(x, y, dims, half):
-    """f32-accurate x . y for 16-bit y: x = hi + lo in y's dtype, two tensor-core dots.
-
-    hi and lo each carry 8 (bf16) or 11 (f16) bits; products with y are exact in the f32
-    accumulator, so the result differs from an IEEE f32 dot by ~2^-16 relative. A float32
-    ``y`` (an f32 cache) takes the IEEE f32 dot instead.
-    """
-    f32 = jnp.float32
-    if half is None:
-        return jax.lax.dot_general(
-            x, y.astype(f32), dims, precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32
-        )
-    x_hi, x_lo = _hi_lo(x, half)
-    out = jax.lax.dot_general(x_hi, y, dims, preferred_element_type=f32)
-    return out + jax.lax.dot_general(x_lo, y, dims, preferred_element_type=f32)
-
-
-def _hi_lo(x, half):
-    """float32 x -> (hi, lo) in the 16-bit ``half`` with hi + lo = x to ~2^-16 relative."""
-    hi = x.astype(half)
-    return hi, (x - hi.astype(jnp.float32)).astype(half)
-
-
-def _kron_rotate(xs, f_ref, inverse: bool, split: bool):
-    """Rotate (``inverse``: un-rotate) rows given as their D / W chunks ``xs`` ([R, W]
-    f32 each) by the Hadamard rotation's Kronecker factors ``f_ref`` [D, W] (float16
-    +-1, ``hadamard.kronecker_factor``): butterflies across the chunks and one [R, W] x
-    [W, W] tensor-core dot per chunk, f32 accumulation. The chunks are scaled by
-    1 / sqrt(D) first, so the 16-bit operands stay in range wherever the chunks and the
-    result do. ``split``: operands as bfloat16 hi + lo halves (two dots, ~2^-16
-    relative, any f32 magnitude); else one float16 rounding (2^-11)."""
-    w = xs[0].shape[1]
-    scale = np.float32(1.0 / np.sqrt(w * len(xs)))
-    xs = [x * scale for x in xs]
-    dims = (((1,), (1,)), ((), ())) if inverse else (((1,), (0,)), ((), ()))  # x F^T / x F
-    if inverse:
-        xs = butterflies(xs)
-    out = []
-    for a, x in enumerate(xs):
-        f = f_ref[pl.ds(a * w, w), :]
-        if split:
-            out.append(_split_dot(x, f.astype(jnp.bfloat16), dims, jnp.bfloat16))
-        else:
-            out.append(jax.lax.dot_general(x.astype(f.dtype), f, dims,
-                                           preferred_element_type=jnp.float32))  # fmt: skip
-    return out if inverse else butterflies(out)
-
-
-def _pow2_scale(amax):
-    """(up, down) f32 powers of two with amax * up in [1, 2) and up * down = 1 exactly (1, 1
-    where amax is 0, subnormal or beyond 2^126): scaling by them is exact, so a row can be
-    rounded to float16 at full precision however small its values (below float16's normal
-    range, 6.1e-5, the rounding would keep fewer bits: 1e-6 values lost 3% of their size)."""
-    e = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF  # biased exponent
-    ok = (e >= 1) & (e <= 253)
-    up = jax.lax.bitcast_convert_type(jnp.where(ok, 254 - e, 127) << 23, jnp.float32)
-    down = jax.lax.bitcast_convert_type(jnp.where(ok, e, 127) << 23, jnp.float32)
-    return up, down
-
-
-def _half(word, j, dtype):
-    """16-bit half j (0: the low one) of uint32 words as ``dtype``: the pairs that
-    ``decode_partials._u32_pairs`` packs (value scales / zeros, token norms)."""
-    half = ((word >> (16 * j)) & 0xFFFF).astype(jnp.uint16)
-    return jax.lax.bitcast_convert_type(half, dtype)
 
 
 def _store_rows(ref, cols, val, rows):
@@ -128,7 +68,7 @@ def quantized_tokens(nq_ref, nq_of):
 def _ring_part(
     n_ref, nq_ref, qp_ref, kr_ref, vr_ref, acc_ref, m_ref, l_ref, *, bs, rows, qscale, nq_of
 ):
-    """The full-precision residual ring, in the original basis (see ``_split_dot``)."""
+    """The full-precision residual ring, in the original basis (see ``split_dot``)."""
     slots, d = kr_ref.shape
     n, nq = n_ref[0], quantized_tokens(nq_ref, nq_of)
     q = _query_rows(qp_ref, slice(None), qscale, rows)  # [GP, D] f32
@@ -139,14 +79,14 @@ def _ring_part(
         m_prev, l_prev, acc = carry
         r0 = pl.multiple_of(it * bs, bs)
         k = kr_ref[pl.ds(r0, bs), :]  # [bs, D]
-        s = _split_dot(q, k, (((1,), (1,)), ((), ())), half).T  # [bs, GP]
+        s = split_dot(q, k, (((1,), (1,)), ((), ())), half).T  # [bs, GP]
         rel = r0 + jax.lax.broadcasted_iota(jnp.int32, (bs, GP), 0) - base
         valid = jnp.where(rel < 0, rel + slots, rel) < n - nq
         s = jnp.where(valid, s, NEG)
         m_new = jnp.maximum(m_prev, jnp.max(s, axis=0))
         corr = jnp.exp(m_prev - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[None, :]), 0.0)
-        pv = _split_dot(p.T, vr_ref[pl.ds(r0, bs), :], (((1,), (0,)), ((), ())), half)
+        pv = split_dot(p.T, vr_ref[pl.ds(r0, bs), :], (((1,), (0,)), ((), ())), half)
         return m_new, l_prev * corr + jnp.sum(p, axis=0), acc * corr[:, None] + pv
 
     init = (
@@ -186,78 +126,6 @@ def int_kernel(*refs, ring, rot=(False, False), **kw):
                    rows=kw["rows"], qscale=kw.get("qscale"), nq_of=kw.get("nq_of"))  # fmt: skip
 
 
-# bit patterns per 16-bit dtype: the float ``base`` (unit spacing in [base, 2 base), so
-# or-ing a small code into its mantissa gives ``base + code`` exactly), the fill byte
-# (base's exponent byte, repeated), 1.0 and -base as packed pairs, the PTX type
-_BITS = {
-    jnp.dtype(jnp.bfloat16): (128.0, 0x4300, 0x43434343, 0x3F803F80, 0xC300C300, "bf16x2"),
-    jnp.dtype(jnp.float16): (1024.0, 0x6400, 0x64646464, 0x3C003C00, 0xE400E400, "f16x2"),
-}
-
-
-def _dequant_asm(x, bits, dtype, scale, zero):
-    """Inline PTX, 4 bytes per instance: per plane one shift, one and, two byte permutes
-    that interleave the codes with the fill byte (``base + code``), one packed fma that
-    subtracts ``base`` exactly and one ``code * scale + zero``. One asm op per plane:
-    Pallas' lowering takes single-result inline asm only.
-    """
-    from jax.experimental.pallas import triton as plgpu
-
-    _, _, fill, one, neg, ty = _BITS[jnp.dtype(dtype)]
-    mask = ((1 << bits) - 1) * 0x01010101
-    out = jax.ShapeDtypeStruct(x.shape, dtype)
-    planes = []
-    for i in range(8 // bits):
-        asm = "\n".join([
-            "{",
-            ".reg .b32 t, one, neg;",
-            f"shr.b32 t, $2, {bits * i};",
-            f"and.b32 t, t, {mask:#x};",
-            f"prmt.b32 $0, t, {fill:#x}, 0x4140;",
-            f"prmt.b32 $1, t, {fill:#x}, 0x4342;",
-            f"mov.b32 one, {one:#x};",
-            f"mov.b32 neg, {neg:#x};",
-            f"fma.rn.{ty} $0, $0, one, neg;",
-            f"fma.rn.{ty} $1, $1, one, neg;",
-            f"fma.rn.{ty} $0, $0, $3, $5;",
-            f"fma.rn.{ty} $1, $1, $4, $6;",
-            "}",
-        ])  # fmt: skip
-        (plane,) = plgpu.elementwise_inline_asm(
-            asm,
-            args=[x, scale[i], zero[i]],
-            constraints="=r,=r,r,r,r,r,r",
-            pack=4,
-            result_shape_dtypes=[out],
-        )
-        planes.append(plane)
-    return planes
-
-
-def _dequant(x, bits, asm, dtype, scale, zero):
-    """uint8 code tile -> the 8 / bits planes of ``code * scale + zero`` in ``dtype``.
-
-    16-bit codes become floats by bit pattern (``base + code``, then ``- base``, exact),
-    not by a quarter-rate int->float conversion. ``asm``: inline PTX with a fused
-    multiply-add (``_dequant_asm``); otherwise the same bit trick in Pallas ops (interpret
-    mode). float32 (float32 parameters, off the default path) converts the integers.
-    """
-    if asm and dtype != jnp.float32:
-        return _dequant_asm(x, bits, dtype, scale, zero)
-    mask = (1 << bits) - 1
-    planes = []
-    for i in range(8 // bits):
-        plane = (x >> (bits * i)) & mask
-        if dtype == jnp.float32:
-            code = plane.astype(jnp.int32).astype(jnp.float32)
-        else:
-            base, pattern = _BITS[jnp.dtype(dtype)][:2]
-            b16 = plane.astype(jnp.uint16) | jnp.uint16(pattern)
-            code = jax.lax.bitcast_convert_type(b16, dtype) - jnp.asarray(base, dtype)
-        planes.append(code * scale[i] + zero[i])
-    return planes
-
-
 def _int_quant_part(
     nq_ref,
     q_ref,
@@ -295,7 +163,7 @@ def _int_quant_part(
 
     Both operands are dequantized where the MMA reads them: the packed codes come
     from shared memory straight into the tensor-core operand layout and become
-    ``code * scale + zero`` by bit pattern and packed 16-bit fmas (``_dequant``): no
+    ``code * scale + zero`` by bit pattern and packed 16-bit fmas (``decode_tiles.dequant``): no
     int->float conversion, no float32 round trip, no shared-memory layout change. Keys
     are float16 (the query, loaded once, is the invariant A operand); values are float16
     with float16 parameters, else bfloat16 (float16 overflows above 65504 where bfloat16
@@ -358,7 +226,7 @@ def _int_quant_part(
 
     qs = [_query_rows(q_ref, pl.ds(i * p_w, p_w), qscale, rows) for i in range(c)]  # [GP, P]
     if fq_ref is not None:  # the plain query, rotated once per program
-        qs = _kron_rotate(qs, fq_ref, inverse=False, split=False)  # rounded to f16 anyway
+        qs = kron_rotate(qs, fq_ref, inverse=False, split=False)  # rounded to f16 anyway
     qs = [tile(x) for x in qs]  # [GP, S * P] per plane
     if sub > 1:
         diag = row_sub((GP, sp)) == iota((GP, sp), 1) // p_w
@@ -372,7 +240,7 @@ def _int_quant_part(
         word = kn_ref[pl.ds(t0 // 2, g2)]  # [G / 2] uint32: tokens 2t' (low half), 2t' + 1
         rj, out = row_sub((GP, g2)), jnp.zeros((GP, g2), f32)
         for j in range(2):
-            out = jnp.where(rj == j, _half(word, j, knpair).astype(f32)[None, :], out)
+            out = jnp.where(rj == j, word_half(word, j, knpair).astype(f32)[None, :], out)
         return out
 
     def scores(gi, t0):
@@ -383,7 +251,7 @@ def _int_quant_part(
               for i in range(c)]  # [G / S, S * P] per plane  # fmt: skip
         kz = [jnp.broadcast_to(tile(kz_ref[pl.ds(gi, 1), pl.ds(i * p_w, p_w)].astype(f16)), shp)
               for i in range(c)]  # fmt: skip
-        kh = _dequant(kb, bits, asm, f16, ks, kz)  # f16 keys per plane, MMA layout
+        kh = dequant(kb, bits, asm, f16, ks, kz)  # f16 keys per plane, MMA layout
         s = jnp.zeros((GP, g2), f32)
         for i in range(c):
             s = s + jax.lax.dot_general(qs[i], kh[i], nt, preferred_element_type=f32)
@@ -414,7 +282,7 @@ def _int_quant_part(
         key = (id(ref), q // 2)
         if key not in words:
             words[key] = ref[pl.ds(tg, g), q // 2]  # [G] uint32: 4-byte elements
-        return _half(words[key], q % 2, vpair).astype(vpt)
+        return word_half(words[key], q % 2, vpair).astype(vpt)
 
     def body(it, carry):
         m_prev, l_prev, accs = carry
@@ -442,8 +310,8 @@ def _int_quant_part(
                 vz = [jnp.broadcast_to(vparam(vz_ref, q, tg, words)[:, None], (g, w))
                       for q in grps]  # fmt: skip
                 vb = vc_ref[pl.ds(tg, g), pl.ds(j * w, w)]  # [G, W] uint8
-                vh = _dequant(vb, bits, asm, vpt, vs, vz)  # float32: hi + lo dots
-                vh = [_hi_lo(x, bf16) if vsplit else [x] for x in vh]
+                vh = dequant(vb, bits, asm, vpt, vs, vz)  # float32: hi + lo dots
+                vh = [hi_lo(x, bf16) if vsplit else [x] for x in vh]
                 for i in range(c):
                     k = i * nchunk + j
                     for part in vh[i]:
@@ -463,11 +331,11 @@ def _int_quant_part(
             amax = jnp.max(jnp.abs(accs[0]), axis=1)  # [GP]
             for a in accs[1:]:
                 amax = jnp.maximum(amax, jnp.max(jnp.abs(a), axis=1))
-            up, down = _pow2_scale(amax)
-            accs = _kron_rotate([a * up[:, None] for a in accs], fo_ref, inverse=True, split=False)
+            up, down = pow2_scale(amax)
+            accs = kron_rotate([a * up[:, None] for a in accs], fo_ref, inverse=True, split=False)
             accs = [a * down[:, None] for a in accs]
         else:
-            accs = _kron_rotate(list(accs), fo_ref, inverse=True, split=True)
+            accs = kron_rotate(list(accs), fo_ref, inverse=True, split=True)
     for i in range(c):
         for j in range(nchunk):
             _store_rows(acc_ref, pl.ds(i * p_w + j * w, w), accs[i * nchunk + j], rows)

@@ -354,11 +354,11 @@ def test_lowers_to_triton(method, opts):
 
 def test_pow2_scale():
     """The in-kernel un-rotation's row scaling: exact powers of two, rows moved to [1, 2)."""
-    from pallas_kernels.decode_int import _pow2_scale
+    from pallas_kernels.decode_tiles import pow2_scale
 
     x = np.asarray([1e-7, 6e-5, 0.75, 1.0, 3.0, 1e30, 2.0**126], np.float32)
-    up, down = (np.asarray(v) for v in _pow2_scale(jnp.asarray(x)))
+    up, down = (np.asarray(v) for v in pow2_scale(jnp.asarray(x)))
     assert np.all((x * up >= 1) & (x * up < 2)) and np.all(up * down == 1)
     assert np.all(np.log2(up) == np.round(np.log2(up)))  # powers of two: exact scaling
-    up, down = _pow2_scale(jnp.asarray([0.0, 2.0**127, np.inf], jnp.float32))
+    up, down = pow2_scale(jnp.asarray([0.0, 2.0**127, np.inf], jnp.float32))
     assert np.all(np.asarray(up) == 1) and np.all(np.asarray(down) == 1)
