@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -177,16 +176,9 @@ def kernel_time(fn, args, calls=10) -> tuple[float, dict[str, float]]:
     """Device seconds of fn(*args)'s GPU kernels per call (their sum: gaps between them
     and host dispatch excluded) and each kernel's microseconds, from a profiler trace of
     ``calls`` separate jitted calls; (nan, {}) without a GPU."""
-    from benchmarks.profile_decode import kernel_times
+    from benchmarks.profile_decode import traced_kernels
 
-    f = jax.jit(fn)
-    jax.block_until_ready(f(*args))
-    with tempfile.TemporaryDirectory() as d:
-        jax.profiler.start_trace(d)
-        for _ in range(calls):
-            jax.block_until_ready(f(*args))
-        jax.profiler.stop_trace()
-        times = kernel_times(d)
+    times = traced_kernels(jax.jit(fn), args, calls)
     per = {name: float(np.sum(ds)) / calls for name, ds in times.items()}
     per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
     return (sum(per.values()) * 1e-6 if per else float("nan")), per
@@ -209,15 +201,15 @@ def variant_options(name: str):
     head, *knobs = name.split()
     opts = {}
     for knob in knobs:
-        key = knob.rstrip("0123456789")
-        if head != "pallas" or (knob != "fastdiv" and (key not in _KNOBS or key == knob)):
-            raise ValueError(
-                f"variant {name!r} must be one of {list(VARIANTS)} or 'pallas gpb4 w2 s2'"
-            )
+        key, num = knob.rstrip("0123456789"), knob.lstrip("abcdefghijklmnopqrstuvwxyz")
         if knob == "fastdiv":
             opts["exact_division"] = False
+        elif key in _KNOBS and num and key + num == knob:
+            opts[_KNOBS[key]] = int(num)
         else:
-            opts[_KNOBS[key]] = int(knob[len(key) :])
+            head = None
+    if head != "pallas":
+        raise ValueError(f"variant {name!r} must be one of {list(VARIANTS)} or 'pallas gpb4 w2 s2'")
     return opts
 
 

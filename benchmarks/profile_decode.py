@@ -53,15 +53,21 @@ def kernel_times(trace_dir: str) -> dict[str, list[float]]:
     return out
 
 
-def profile(fn, args, calls: int) -> dict[str, float]:
-    """Median us per call of each kernel run by fn(*args) (calls calls, after warm-up)."""
-    fn(*args).block_until_ready()
+def traced_kernels(fn, args, calls: int) -> dict[str, list[float]]:
+    """Kernel name -> durations (us) of ``calls`` calls of fn(*args), after one warm-up,
+    from a jax.profiler trace (``kernel_times``; empty without a GPU)."""
+    jax.block_until_ready(fn(*args))
     with tempfile.TemporaryDirectory() as d:
         jax.profiler.start_trace(d)
         for _ in range(calls):
-            fn(*args).block_until_ready()
+            jax.block_until_ready(fn(*args))
         jax.profiler.stop_trace()
-        times = kernel_times(d)
+        return kernel_times(d)
+
+
+def profile(fn, args, calls: int) -> dict[str, float]:
+    """Median us per call of each kernel run by fn(*args) (calls calls, after warm-up)."""
+    times = traced_kernels(fn, args, calls)
     per_call = {}
     for name, ds in times.items():
         per = len(ds) / calls

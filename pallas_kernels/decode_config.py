@@ -201,9 +201,11 @@ class DecodeConfig:
         if self.merge not in ("auto", "xla", "pallas"):
             raise ValueError(f"merge={self.merge!r} must be 'auto', 'xla' or 'pallas'")
         mc = self.merge_cols
-        if isinstance(mc, bool) or not isinstance(mc, int | np.integer) or mc < 0:
-            raise ValueError(f"merge_cols={mc!r} must be 0 (auto) or a power of two >= 16")
-        if mc and (not _pow2(mc) or mc < 16):
+        if (
+            isinstance(mc, bool)
+            or not isinstance(mc, int | np.integer)
+            or (mc != 0 and (mc < 16 or not _pow2(mc)))
+        ):
             raise ValueError(f"merge_cols={mc!r} must be 0 (auto) or a power of two >= 16")
         for name in ("merge_warps", "merge_chunk"):
             val = getattr(self, name)
