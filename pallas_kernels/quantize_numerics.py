@@ -111,21 +111,24 @@ def _div_levels(a, levels: int, spec):
     return out
 
 
-def _codes(v, levels: int, spec, into=None, shift: int = 0):
-    """``into | code << shift`` (int32) with code = round_half_even(clip(v, 0, levels)),
-    NaN -> 0: the reference's ``clip(round(where(isnan(v), 0, clip(v, -1, levels + 1))),
-    0, levels)`` (equal for every v: the clip bounds are integers, rounding is monotonic).
+def _codes(v, levels: int, spec, below=None):
+    """``below << nbits | code`` in the low bits (int32; higher bits are garbage on the GPU,
+    cut off by the uint8 store), code = round_half_even(clip(v, 0, levels)), NaN -> 0:
+    the reference's ``clip(round(where(isnan(v), 0, clip(v, -1, levels + 1))), 0,
+    levels)`` (equal for every v: the clip bounds are integers, rounding is monotonic).
+    A byte's planes are packed from the highest down: ``below`` is the higher planes.
 
     On the GPU one inline-PTX instance per element: ``max.f32`` (it returns the non-NaN
     operand: NaN -> 0), ``min.f32``, the magic-number add 1.5 * 2^23 (its round-to-
-    nearest-even leaves the integer in the low mantissa bits) and a bit-field insert into
-    the packed byte: no quarter-rate ``cvt`` conversions, two fewer min/max per element.
+    nearest-even leaves the integer in the low 22 mantissa bits) and one shift-add of
+    the higher planes onto those bits (the magic number's bits only carry upwards):
+    no quarter-rate ``cvt`` conversions, no masking.
     """
     nbits = levels.bit_length()
     if spec.interpret:
         v = jnp.clip(jnp.where(v != v, 0.0, v), 0.0, float(levels))
-        code = jnp.round(v).astype(jnp.int32) << shift
-        return code if into is None else into | code
+        code = jnp.round(v).astype(jnp.int32)
+        return code if below is None else (below << nbits) | code
     lines = [
         "{",
         ".reg .f32 t;",
@@ -133,12 +136,12 @@ def _codes(v, levels: int, spec, into=None, shift: int = 0):
         f"min.f32 t, t, {ptx_f32(levels)};",
         "add.rn.f32 t, t, 0f4B400000;",
     ]
-    if into is None:
-        lines.append(f"bfi.b32 $0, t, 0, {shift}, {nbits};")
+    if below is None:
+        lines.append("mov.b32 $0, t;")
         args, cons = [v], "=r,f"
     else:
-        lines.append(f"bfi.b32 $0, t, $2, {shift}, {nbits};")
-        args, cons = [v, into], "=r,f,r"
+        lines += [".reg .b32 u;", "mov.b32 u, t;", f"mad.lo.u32 $0, $2, {1 << nbits}, u;"]
+        args, cons = [v, below], "=r,f,r"
     (out,) = plgpu.elementwise_inline_asm(
         "\n".join([*lines, "}"]), args=args, constraints=cons, pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.int32)],
@@ -146,22 +149,24 @@ def _codes(v, levels: int, spec, into=None, shift: int = 0):
     return out
 
 
-def _quantize(y, mn, mx, spec, into=None, shift: int = 0):
-    """Stored scale/zero of a group and ``into | codes << shift`` (int32) of y, as
-    quant.quantize_groups."""
+def _quantize(y, mn, mx, spec, below=None):
+    """Stored scale/zero of a group and the codes of y packed onto ``below`` (the higher
+    planes; see ``_codes``), as quant.quantize_groups."""
     levels = spec.cfg.levels
     scale = _div_levels(mx - mn, levels, spec).astype(spec.cfg.scale_dtype)
     zero = mn.astype(spec.cfg.scale_dtype)
     s32, z32 = scale.astype(jnp.float32), zero.astype(jnp.float32)
     inv = _inv_scale(s32, spec)
-    return scale, zero, _codes((y - z32) * inv, levels, spec, into, shift)
+    return scale, zero, _codes((y - z32) * inv, levels, spec, below)
 
 
 def _row_max_abs(ys):
-    m = jnp.max(jnp.abs(ys[0]), axis=1)
+    """max |y| per token (row) over the [G, W] chunks ys: the chunks combined element-wise
+    first, so that one cross-thread reduction remains."""
+    m = jnp.abs(ys[0])
     for y in ys[1:]:
-        m = jnp.maximum(m, jnp.max(jnp.abs(y), axis=1))
-    return m
+        m = jnp.maximum(m, jnp.abs(y))
+    return jnp.max(m, axis=1)
 
 
 def _recip(d, spec):
@@ -170,10 +175,12 @@ def _recip(d, spec):
 
 
 def _row_sumsq(ys, m_safe, spec):
-    s = None
+    """sum((y / m_safe)^2) per token (row) over the [G, W] chunks ys (the chunks' squares
+    summed element-wise first, in chunk order)."""
     p, r = _recip(m_safe, spec)
+    p, r = p[:, None], r[:, None]
+    acc = None
     for y in ys:
-        z = (y * p[:, None]) * r[:, None]
-        part = jnp.sum(z * z, axis=1)
-        s = part if s is None else s + part
-    return s
+        z = (y * p) * r
+        acc = z * z if acc is None else acc + z * z
+    return jnp.sum(acc, axis=1)
