@@ -7,7 +7,9 @@ The fused encoder (``pallas_kernels.quantize_numerics``) divides a group's range
 compares them with ``div.rn.f32`` bit for bit in Pallas kernels: the level division for
 every non-negative float32 (all 2^31 bit patterns with the sign bit clear: zeros,
 subnormals, normals, inf and NaNs; NaN against NaN counts as equal), the reciprocal for
-every positive finite float16 (the scales it is used on), and prints the mismatches.
+every positive finite float16 (the scales it is used on) and every bfloat16 in
+[2^-100, 2^124) (the stored 16-bit norms after ``quant.prescaled_reciprocal``'s
+prescaling), and prints the mismatches.
 Needs a GPU::
 
     PYTHONPATH=. python3 benchmarks/check_division.py [--what levels|rcp|all]
@@ -58,11 +60,20 @@ def mismatches(levels: int, base: int, programs: int):
     )()
 
 
-def rcp_mismatches() -> tuple[int, int]:
-    """(mismatches, values): ``newton_rcp_asm`` against ``div.rn.f32`` of 1 by x for every
-    positive finite float16 x (as float32)."""
+def float16s():
     h = jnp.arange(1, 0x7C00, dtype=jnp.uint16)  # +subnormals .. 65504; not 0, inf, NaN
-    x = jax.lax.bitcast_convert_type(h, jnp.float16).astype(jnp.float32)
+    return jax.lax.bitcast_convert_type(h, jnp.float16).astype(jnp.float32)
+
+
+def prescaled_bfloat16s():
+    lo, hi = (127 - 100) << 7, (127 + 124) << 7  # bit patterns of 2^-100 and 2^124
+    h = jnp.arange(lo, hi, dtype=jnp.uint16)
+    return jax.lax.bitcast_convert_type(h, jnp.bfloat16).astype(jnp.float32)
+
+
+def rcp_mismatches(x) -> tuple[int, int]:
+    """(mismatches, values): ``newton_rcp_asm`` against ``div.rn.f32`` of 1 by x for every
+    value of x (float32)."""
     n = x.size
 
     def kernel(x_ref, o_ref):
@@ -103,8 +114,11 @@ def main() -> int:
         return 2
     bad = 0
     if what in ("rcp", "all"):
-        n, total = rcp_mismatches()
+        n, total = rcp_mismatches(float16s())
         print(f"float16 reciprocals: {n} mismatches of {total} positive finite float16")
+        bad += n
+        n, total = rcp_mismatches(prescaled_bfloat16s())
+        print(f"bfloat16 reciprocals: {n} mismatches of {total} bfloat16 in [2^-100, 2^124)")
         bad += n
     if what == "rcp":
         return 1 if bad else 0

@@ -44,16 +44,17 @@ class EncodedValues(NamedTuple):
 
 
 def token_l2_norm(x: Float[Array, "B H T D"], granularity: str) -> Float[Array, "B Hn T"]:
-    """Overflow-safe l2 norm per (token, head) or per token over all heads (float32)."""
+    """Overflow-safe l2 norm per (token, head) or per token over all heads (float32):
+    sqrt(sum((x s)^2)) / s with s the power of two of ``quant.pow2_prescale`` of max |x|
+    (exact scalings; the Pallas encoder computes the same, summing in another order)."""
     axes = (-1,) if granularity == "per_head" else (1, 3)
     xf = x.astype(jnp.float32)
     if granularity == "per_token":
         xf = jnp.swapaxes(xf, 1, 2)[:, None]  # [B, 1, T, H, D]
         axes = (-2, -1)
     m = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
-    m_safe = jnp.where(m > 0, m, 1.0)
-    p, r = quant.prescaled_reciprocal(m_safe)
-    n = m_safe * jnp.sqrt(jnp.sum(jnp.square((xf * p) * r), axis=axes, keepdims=True))
+    s, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
+    n = jnp.sqrt(jnp.sum(jnp.square(xf * s), axis=axes, keepdims=True)) * inv
     n = jnp.where(m > 0, n, 0.0)
     return n.reshape(n.shape[:3])
 

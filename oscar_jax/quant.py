@@ -123,22 +123,39 @@ def round_to_dtype(x: Array, dtype) -> Array:
 
 
 TINY = 2.0**-100  # below this a divisor is pre-scaled by 2**100 (exact) before 1/d
+HUGE = 2.0**124  # from this on a divisor is pre-scaled by 2**-4, so that 1/d stays normal
 
 
 def prescaled_reciprocal(d: Array, div=jnp.divide) -> tuple[Array, Array]:
     """(p, r) with x / d ~= (x * p) * r: one IEEE reciprocal per divisor, then multiplies.
 
-    ``p`` is 2**100 where ``0 < |d| < 2**-100`` (else 1), so ``r = 1 / (d * p)`` never
-    overflows, even for subnormal divisors; scaling by p is exact. The encoders (XLA and
-    the Pallas kernel) divide tile elements this way, so both compute the same bits with
-    one division per row or column instead of one per element. ``d == 0`` gives r = 0.
-    ``div`` is the division to use (the Pallas kernel passes its IEEE ``div.rn``).
+    ``p`` is 2**100 where ``0 < |d| < 2**-100``, 2**-4 where ``|d| >= 2**124``, else 1,
+    so ``r = 1 / (d * p)`` is a normal float32 (in [2**-124, 2**100]) for every finite
+    non-zero d (XLA on CPU reads a subnormal d as 0: r = 0); scaling by p is exact. The
+    encoders (XLA and the Pallas kernel) divide tile elements this way, so both compute
+    the same bits with one division per row or column instead of one per element.
+    ``d == 0`` gives r = 0. ``div`` is the division to use (the Pallas kernel passes its
+    IEEE ``div.rn``, or for 16-bit divisors a Newton reciprocal, which needs the normal
+    range).
     """
     d = d.astype(jnp.float32)
-    p = jnp.where(jnp.abs(d) < TINY, jnp.float32(2.0**100), jnp.float32(1.0))
+    ad = jnp.abs(d)
+    p = jnp.where(ad < TINY, jnp.float32(2.0**100), jnp.float32(1.0))
+    p = jnp.where(ad >= HUGE, jnp.float32(2.0**-4), p)
     dp = d * p
     nz = dp != 0
     return p, jnp.where(nz, div(jnp.ones_like(dp), jnp.where(nz, dp, 1.0)), 0.0)
+
+
+def pow2_prescale(m: Array) -> tuple[Array, Array]:
+    """(s, 1 / s) for m > 0 (float32): s = 2**-e with e = floor(log2 m) clamped to
+    [-126, 126], so x * s (|x| <= m) lies in (-4, 4) and both scalings are exact. Read
+    from m's exponent bits: no division, the same bits on every backend (the Pallas
+    encoder calls this too); a subnormal m takes e = -126."""
+    bits = jax.lax.bitcast_convert_type(m.astype(jnp.float32), jnp.int32)
+    e = jnp.clip((bits >> 23) & 0xFF, 1, 253)  # biased exponent
+    s = jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32)  # 2^(127 - e)
+    return s, jax.lax.bitcast_convert_type(e << 23, jnp.float32)  # 2^(e - 127)
 
 
 @compiled(arrays=("x",))

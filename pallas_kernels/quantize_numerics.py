@@ -83,6 +83,21 @@ def newton_rcp_asm() -> str:
     ])  # fmt: skip
 
 
+def _newton_rcp(x):
+    """1 / x (f32) by ``newton_rcp_asm``: IEEE-rounded for x of at most 11 significant
+    bits (float16, bfloat16) whose reciprocal is a normal float32."""
+    (out,) = plgpu.elementwise_inline_asm(
+        newton_rcp_asm(), args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)],
+    )  # fmt: skip
+    return out
+
+
+def _short(dtype) -> bool:
+    """Values of this dtype have at most 11 significant bits (``_newton_rcp`` applies)."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
 def _inv_scale(s32, spec):
     """1 / s of stored scales s (f32 [..]), 0 where s <= 0 or NaN, IEEE-rounded as the
     reference's ``where(s > 0, 1 / s, 0)``. Float16 scales take ``newton_rcp_asm`` (3
@@ -93,11 +108,7 @@ def _inv_scale(s32, spec):
     if spec.interpret or not spec.tuning.exact_division or not f16:
         return jnp.where(pos, _div(jnp.ones_like(s32), jnp.where(pos, s32, 1.0), spec), 0.0)
     fin = pos & (s32 < np.float32(np.inf))
-    (out,) = plgpu.elementwise_inline_asm(
-        newton_rcp_asm(), args=[jnp.where(fin, s32, 1.0)], constraints="=f,f", pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(s32.shape, jnp.float32)],
-    )  # fmt: skip
-    return jnp.where(fin, out, 0.0)
+    return jnp.where(fin, _newton_rcp(jnp.where(fin, s32, 1.0)), 0.0)
 
 
 def _div_levels(a, levels: int, spec):
@@ -161,26 +172,32 @@ def _quantize(y, mn, mx, spec, below=None):
 
 
 def _row_max_abs(ys):
-    """max |y| per token (row) over the [G, W] chunks ys: the chunks combined element-wise
-    first, so that one cross-thread reduction remains."""
+    """max |y| per token over the [W, G] key chunks ys (a column's maximum): the chunks
+    combined element-wise first, so that one cross-thread reduction remains."""
     m = jnp.abs(ys[0])
     for y in ys[1:]:
         m = jnp.maximum(m, jnp.abs(y))
-    return jnp.max(m, axis=1)
+    return jnp.max(m, axis=0)
 
 
 def _recip(d, spec):
-    """quant.prescaled_reciprocal with the kernel's division: (p, r), x / d ~= (x * p) * r."""
+    """quant.prescaled_reciprocal of stored norms d with the kernel's division: (p, r),
+    x / d ~= (x * p) * r. 16-bit norms take ``_newton_rcp`` (d * p is a normal float of
+    at most 11 significant bits): no ``div.rn`` with its slow path and call, which
+    pinned registers."""
+    gpu_exact = not spec.interpret and spec.tuning.exact_division
+    if gpu_exact and _short(spec.cfg.norm_jnp_dtype):
+        return quant.prescaled_reciprocal(d, div=lambda a, b: _newton_rcp(b))
     return quant.prescaled_reciprocal(d, div=lambda a, b: _div(a, b, spec))
 
 
-def _row_sumsq(ys, m_safe, spec):
-    """sum((y / m_safe)^2) per token (row) over the [G, W] chunks ys (the chunks' squares
-    summed element-wise first, in chunk order)."""
-    p, r = _recip(m_safe, spec)
-    p, r = p[:, None], r[:, None]
+def _row_sumsq(ys, m_safe):
+    """sum((y s)^2) per token over the [W, G] key chunks ys, s = ``quant.
+    pow2_prescale(m_safe)`` (the chunks' squares summed element-wise first, in chunk
+    order), and 1 / s: the reference's norm is sqrt(sum) / s."""
+    sc, inv = quant.pow2_prescale(m_safe)
     acc = None
     for y in ys:
-        z = (y * p) * r
+        z = y * sc[None, :]
         acc = z * z if acc is None else acc + z * z
-    return jnp.sum(acc, axis=1)
+    return jnp.sum(acc, axis=0), inv

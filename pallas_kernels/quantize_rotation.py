@@ -27,14 +27,17 @@ from oscar_jax import hadamard
 def rotation_operand(spec) -> np.ndarray:
     """What ``rotated_chunks`` multiplies by: dense f32 M (rotate(x) = x @ M) for
     ``random_orthogonal``; else the exact +-1 first column block of the (signed)
-    Hadamard matrix, [D, W]: rows a*W..(a+1)*W are chunk a's [W, W] factor."""
+    Hadamard matrix, [D, W] (rows a*W..(a+1)*W are chunk a's [W, W] factor F_a), then the
+    transposed factors F_a^T, the A operands of the transposed (key) tiles: [2D, W]."""
     if spec.rot_scale is None:
         return hadamard.rotation_matrix(spec.cfg, spec.d).T.astype(np.float32)
     block = hadamard.kronecker_factor(spec.cfg, spec.d, spec.w)
     if block is None:
         raise NotImplementedError("rotation is not a Kronecker product H_(D/W) x [W, W]")
     dt = jnp.float16 if spec.in_dtype == "float16" else jnp.bfloat16
-    return block.astype(dt)
+    d, w = spec.d, spec.w
+    block_t = block.reshape(d // w, w, w).transpose(0, 2, 1).reshape(d, w)
+    return np.concatenate([block, block_t]).astype(dt)
 
 
 def butterflies(zs: list) -> list:
@@ -48,8 +51,10 @@ def butterflies(zs: list) -> list:
     return zs
 
 
-def rotated_chunks(ref, mat_ref, b, h, t0, rotate: bool, spec):
-    """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each.
+def rotated_chunks(ref, mat_ref, b, h, t0, rotate: bool, spec, transpose: bool = False):
+    """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each: [G, W],
+    or with ``transpose`` [W, G] (the dots then compute F^T X^T, F^T read from the
+    operand's second half).
 
     Hadamard rotations use H_D = H_(D/W) (x) H_W: one [G, W] x [W, W] tensor-core dot
     per chunk (with the chunk's signs folded into its factor), then butterflies across
@@ -57,12 +62,18 @@ def rotated_chunks(ref, mat_ref, b, h, t0, rotate: bool, spec):
     """
     g, w, d = spec.cfg.group_size, spec.w, spec.d
     rows = pl.ds(t0, g)
+
+    def mm(x, m, **kw):  # x @ m, or (x @ m)^T = m^T x^T with m given as m^T
+        return plgpu.dot(m, x, trans_b=True, **kw) if transpose else plgpu.dot(x, m, **kw)
+
     if not rotate:
-        return [ref[b, h, rows, pl.ds(k * w, w)].astype(jnp.float32) for k in range(d // w)]
+        xs = [ref[b, h, rows, pl.ds(k * w, w)].astype(jnp.float32) for k in range(d // w)]
+        return [x.T for x in xs] if transpose else xs
     if spec.rot_scale is None:  # random_orthogonal: dense f32 matrix, IEEE f32 dots
         x = ref[b, h, rows, :].astype(jnp.float32)
         prec = jax.lax.Precision.HIGHEST
-        return [plgpu.dot(x, mat_ref[:, pl.ds(k * w, w)], precision=prec) for k in range(d // w)]
+        cols = [mat_ref[:, pl.ds(k * w, w)] for k in range(d // w)]
+        return [mm(x, c.T if transpose else c, precision=prec) for c in cols]
     signed = spec.cfg.rotation != "hadamard"  # plain Hadamard: every chunk's factor is H_W
     zs, m = [], None
     for k in range(d // w):
@@ -77,9 +88,9 @@ def rotated_chunks(ref, mat_ref, b, h, t0, rotate: bool, spec):
             lo = (r - mid.astype(jnp.float32)).astype(jnp.bfloat16)
             parts = [hi, mid, lo]
         if m is None or signed:
-            m = mat_ref[pl.ds(k * w, w), :]
-        acc = plgpu.dot(parts[0], m)
+            m = mat_ref[pl.ds(k * w + (d if transpose else 0), w), :]
+        acc = mm(parts[0], m)
         for part in parts[1:]:
-            acc = acc + plgpu.dot(part, m)
+            acc = acc + mm(part, m)
         zs.append(acc)
     return [z * spec.rot_scale for z in butterflies(zs)]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oscar_jax as oj
-from oscar_jax import quant
+from oscar_jax import codec, quant
 
 
 class PackTest(parameterized.TestCase):
@@ -103,3 +103,48 @@ class QuantizeTest(parameterized.TestCase):
     def test_quant_helpers_reject_bad_group(self):
         with self.assertRaisesRegex(ValueError, "group_size=32"):
             quant.quantize_groups(jnp.ones((40,)), 2, 32, 0, jnp.float32)
+
+
+class ScalingTest(parameterized.TestCase):
+    """The exact scalings behind the token norm and the division by it."""
+
+    def test_pow2_prescale_is_an_exact_power_of_two(self):
+        bits = np.random.default_rng(0).integers(1, 0x7F800000, size=4096, dtype=np.int64)
+        m = np.concatenate([bits.astype(np.uint32).view(np.float32), [1.0, 2.0**127, 1e-45]])
+        s, inv = (np.asarray(a, np.float64) for a in quant.pow2_prescale(jnp.asarray(m)))
+        np.testing.assert_array_equal(np.log2(s), np.round(np.log2(s)))  # powers of two
+        np.testing.assert_array_equal(s * inv, 1.0)
+        assert s.min() >= 2.0**-126 and s.max() <= 2.0**126  # normal: x * s is exact
+        ms = m.astype(np.float64) * s
+        normal = (m >= 2.0**-126) & (m < 2.0**127)
+        assert np.all((ms[normal] >= 1) & (ms[normal] < 2)), "m s in [1, 2)"
+        assert np.all(ms < 4)
+
+    @parameterized.parameters("per_head", "per_token")
+    def test_token_norm_matches_float64_at_any_scale(self, gran):
+        x = jax.random.normal(jax.random.PRNGKey(1), (1, 2, 12, 64), jnp.float32)
+        scale = jnp.asarray(10.0 ** np.linspace(-40, 36, 12), jnp.float32)[None, None, :, None]
+        x = x * scale  # tokens from subnormal-range values to 1e36 (no overflow, no NaN)
+        got = np.asarray(codec.token_l2_norm(x, gran), np.float64)
+        xs = np.asarray(x, np.float64)
+        want = (
+            np.sqrt((xs**2).sum(-1))
+            if gran == "per_head"
+            else np.sqrt((xs**2).sum((1, 3)))[:, None]
+        )
+        normal = want > 2.0**-126
+        np.testing.assert_allclose(got[normal], want[normal], rtol=2e-6)
+        assert np.all(np.isfinite(got)) and np.all(got[~normal] >= 0)
+        assert float(codec.token_l2_norm(jnp.zeros((1, 1, 2, 8)), gran).max()) == 0.0
+
+    def test_prescaled_reciprocal_stays_normal(self):
+        d = np.array([2.0**-126, 2.0**-120, 3e-31, 1.0, 3.0, 2.0**124, 3e38], np.float32)
+        p, r = (np.asarray(a, np.float64) for a in quant.prescaled_reciprocal(jnp.asarray(d)))
+        assert np.all(r >= 2.0**-126) and np.all(r <= 2.0**100)
+        x = d.astype(np.float64) * 0.75  # (x p) r ~ x / d = 0.75
+        np.testing.assert_allclose(x * p * r, 0.75, rtol=1e-6)
+        _, r0 = quant.prescaled_reciprocal(jnp.zeros(2))
+        np.testing.assert_array_equal(r0, 0.0)
+        # a subnormal divisor: XLA on CPU reads it as 0 (r = 0), else r is normal: never inf
+        _, rs = quant.prescaled_reciprocal(jnp.asarray([2.0**-149], jnp.float32))
+        assert float(rs[0]) == 0.0 or 2.0**-126 <= float(rs[0]) <= 2.0**100

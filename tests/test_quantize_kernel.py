@@ -180,14 +180,16 @@ class TestQuantizeKernelGPU:
             for base in (0, 0x3F000000, 0x7E000000, 0x7F800000 - 32 * BLOCK):
                 assert int(jnp.sum(mismatches(levels, base, 64))) == 0, (levels, hex(base))
 
-    def test_float16_reciprocal_matches_div_rn(self):
-        """The compiled Newton reciprocal of float16 scales equals div.rn.f32 of 1 by x for
-        every positive finite float16 (31,743 values)."""
+    def test_16bit_reciprocal_matches_div_rn(self):
+        """The compiled Newton reciprocal equals div.rn.f32 of 1 by x for every positive
+        finite float16 (the scales: 31,743 values) and every bfloat16 in [2^-100, 2^124)
+        (the prescaled norms: 28,672 values)."""
         if self.INTERPRET:
             pytest.skip("inline PTX runs on a GPU only; interpret mode divides with jnp")
-        from benchmarks.check_division import rcp_mismatches
+        from benchmarks import check_division as cd
 
-        assert rcp_mismatches()[0] == 0
+        assert cd.rcp_mismatches(cd.float16s())[0] == 0
+        assert cd.rcp_mismatches(cd.prescaled_bfloat16s())[0] == 0
 
     def test_degenerate_groups_no_nan(self):
         cfg = oj.preset("oscar", bits=2)
@@ -302,12 +304,16 @@ def test_kronecker_factors_equal_the_dense_rotation(rotation, d, bits, g):
     cfg = oj.preset("oscar", bits=bits, group_size=g, rotation=rotation)
     spec = pq._Spec(cfg, g, 1, d, "bfloat16", pq.QuantizeTuning(), True)
     w = spec.w
-    block = np.asarray(qr.rotation_operand(spec), np.float64)  # [D, W]
+    both = np.asarray(qr.rotation_operand(spec), np.float64)  # [2D, W]: F_a, then F_a^T
+    block, block_t = both[:d], both[d:]
     x = np.random.default_rng(d + g).integers(-8, 9, size=(g, d)).astype(np.float64)
     zs = [x[:, a * w : (a + 1) * w] @ block[a * w : (a + 1) * w] for a in range(d // w)]
     got = np.concatenate(qr.butterflies(zs), axis=1)  # integers: exact in float64
     want = np.round(x @ oj.rotation_matrix(cfg, d).T * np.sqrt(d))
     np.testing.assert_array_equal(got, want)
+    # the transposed key tiles: F_a^T x_a^T, chunk by chunk
+    zt = [block_t[a * w : (a + 1) * w] @ x[:, a * w : (a + 1) * w].T for a in range(d // w)]
+    np.testing.assert_array_equal(np.concatenate(qr.butterflies(zt), axis=0), want.T)
 
 
 def _round_f32(x: Fraction) -> Fraction:
@@ -327,7 +333,10 @@ def _round_f32(x: Fraction) -> Fraction:
 def test_newton_reciprocal_rounds_every_float16_like_ieee():
     """The arithmetic of ``quantize_numerics.newton_rcp_asm``, exactly: from an approximate
     reciprocal up to 1 float32 ulp off either way (rcp.approx's bound), e = RN(1 - x y) and
-    RN(y + y e) give the correctly rounded 1 / x for every positive finite float16 x."""
+    RN(y + y e) give the correctly rounded 1 / x for every positive finite float16 x. That
+    covers every significand of at most 11 bits, and the arithmetic is scale-invariant
+    while 1 / x is normal: so also the bfloat16 norms that ``quantize_numerics._recip``
+    inverts (prescaled into [2^-100, 2^124))."""
     h = np.arange(1, 0x7C00, dtype=np.uint16)
     xs = h.view(np.float16).astype(np.float64)
     for x in map(Fraction, xs.tolist()):
