@@ -16,7 +16,10 @@ in one inline-PTX op per element, not by quarter-rate conversions (4,641 instead
 programs an SM instead of 6; 0.445 -> 0.407 ms of kernel time at 128K, 37% of the copy
 rate, session 17), the planes of a byte packed by one shift-add each instead of a bit-
 field insert (two SASS instructions) and the norm's chunks combined before one reduction
-(3,768 instructions; 0.389 ms, 38%, session 18).
+(3,768 instructions; 0.389 ms, 38%, session 18), then the norm prescaled by a power of
+two and 16-bit norms inverted by the Newton step (3,544; no ``div.rn`` left in the loop)
+and the key tile held as [W, G] (3,048 at 168 registers; 0.087 / 0.313 ms at 32K / 128K,
+43% / 47% of the copy rate, session 18; see ``_encode_key_head``).
 
 Per group of G tokens, the tile is read as D/W chunks of W = min(P, Gv) channels (P =
 D*bits/8 channels per packed plane, Gv the value group), rotated by
@@ -27,9 +30,10 @@ no such slicing). One program encodes a group's keys and values: separate key an
 programs were measured slower (0.331 vs 0.249 ms at 32K tokens, H200) at the same
 register count.
 
-Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm,
-division by the *stored* norm as a multiply by its ``quant.prescaled_reciprocal``
-(one IEEE division per token, as the reference does), min/max per group, codes from
+Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm
+(``codec.token_l2_norm``: a power-of-two prescale, exact), division by the *stored*
+norm as a multiply by its ``quant.prescaled_reciprocal`` (one IEEE-rounded reciprocal
+per token, as the reference does), min/max per group, codes from
 the *stored* (rounded) scale/zero times the inverse scale, round half to even,
 constant group -> code 0.
 With ``exact_division=True`` (default) divisions are IEEE round-to-nearest
