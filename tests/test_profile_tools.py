@@ -1,5 +1,6 @@
-"""Profiling drivers: benchmarks/ncu_kernels.py (one kernel for Nsight Compute) and
-benchmarks/profile_step.py (a decode step's GPU kernels grouped by kind)."""
+"""Profiling drivers: benchmarks/ncu_kernels.py (one kernel for Nsight Compute),
+benchmarks/profile_step.py (a decode step's GPU kernels grouped by kind) and
+benchmarks/sass_offline.py (SASS counts without a GPU)."""
 
 import os
 import sys
@@ -108,3 +109,28 @@ def test_gemv_bench_variants_agree():
         np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2, err_msg=name)
     with pytest.raises(ValueError, match="variant="):
         bench_gemv.variant("nope")
+
+
+def test_sass_offline_counts_loops():
+    """benchmarks/sass_offline.py: a loop is a label reached by a later branch; its length
+    counts the instructions from the label to the branch (runs without triton)."""
+    from benchmarks import sass_offline
+
+    sass = "\n".join([
+        "        /*0000*/                   MOV R1, c[0x0][0x28] ;",
+        ".L_x_1:",
+        "        /*0010*/                   FADD R2, R2, R3 ;",
+        "        /*0020*/                   FMUL R2, R2, R3 ;",
+        "        /*0030*/               @P0 BRA `(.L_x_1) ;",
+        "        /*0040*/               @P1 BRA `(.L_x_2) ;",
+        ".L_x_2:",
+        "        /*0050*/                   EXIT ;",
+    ])  # fmt: skip
+    assert sass_offline.loops(sass) == [3]  # the forward branch to .L_x_2 is no loop
+
+
+def test_sass_offline_rejects_unknown_kernel():
+    from benchmarks import sass_offline
+
+    with pytest.raises(ValueError, match="what='merge'"):
+        sass_offline.lower("merge", {})
