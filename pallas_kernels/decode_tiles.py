@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from oscar_jax import quant
 from pallas_kernels.quantize_rotation import butterflies
 
 
@@ -65,12 +66,11 @@ def pow2_scale(amax):
     """(up, down) f32 powers of two with amax * up in [1, 2) and up * down = 1 exactly (1, 1
     where amax is 0, subnormal or beyond 2^126): scaling by them is exact, so a row can be
     rounded to float16 at full precision however small its values (below float16's normal
-    range, 6.1e-5, the rounding would keep fewer bits: 1e-6 values lost 3% of their size)."""
-    e = (jax.lax.bitcast_convert_type(amax, jnp.int32) >> 23) & 0xFF  # biased exponent
-    ok = (e >= 1) & (e <= 253)
-    up = jax.lax.bitcast_convert_type(jnp.where(ok, 254 - e, 127) << 23, jnp.float32)
-    down = jax.lax.bitcast_convert_type(jnp.where(ok, e, 127) << 23, jnp.float32)
-    return up, down
+    range, 6.1e-5, the rounding would keep fewer bits: 1e-6 values lost 3% of their size).
+    ``quant.pow2_prescale`` outside its unclamped range [2^-126, 2^127) replaced by 1."""
+    up, down = quant.pow2_prescale(amax)
+    ok = (amax >= np.float32(2.0**-126)) & (amax < np.float32(2.0**127))
+    return jnp.where(ok, up, 1.0), jnp.where(ok, down, 1.0)
 
 
 def word_half(word, j, dtype):

@@ -212,8 +212,8 @@ def _kernel(*refs, spec: _Spec):
     per_token = cfg.token_scaling and cfg.norm_granularity == "per_token"
     norm_dt = cfg.norm_jnp_dtype
 
-    def stored_den(m, sumsq):  # sumsq = (sum((y s)^2), 1 / s): the stored norm, (p, r)
-        n = jnp.where(m > 0, jnp.sqrt(sumsq[0]) * sumsq[1], 0.0).astype(norm_dt)
+    def stored_den(m, sumsq, inv):  # sumsq = sum((y s)^2), inv = 1 / s: the norm, (p, r)
+        n = jnp.where(m > 0, jnp.sqrt(sumsq) * inv, 0.0).astype(norm_dt)
         return n, _recip(n.astype(jnp.float32), spec)
 
     def one_group(i):
@@ -226,7 +226,8 @@ def _kernel(*refs, spec: _Spec):
                 ys = rotated_chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec, True)
                 if cfg.token_scaling:
                     m = _row_max_abs(ys)
-                    n, den = stored_den(m, _row_sumsq(ys, jnp.where(m > 0, m, 1.0)))
+                    sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
+                    n, den = stored_den(m, _row_sumsq(ys, sc), inv)
                     kn_ref[b, hb, pl.ds(t0, g)] = n
                 _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, hb, t0, den, spec, ys)
                 _encode_value_head(v_ref, mat_ref, vouts, b, hb, t0, spec)
@@ -237,14 +238,14 @@ def _kernel(*refs, spec: _Spec):
                 return jnp.maximum(m, _row_max_abs(ys))
 
             m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
-            m_safe = jnp.where(m > 0, m, 1.0)
+            sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
 
             def head_sumsq(h, s):
                 ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec, True)
-                return s + _row_sumsq(ys, m_safe)[0]
+                return s + _row_sumsq(ys, sc)
 
             s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
-            n, den = stored_den(m, (s, quant.pow2_prescale(m_safe)[1]))
+            n, den = stored_den(m, s, inv)
             kn_ref[b, 0, pl.ds(t0, g)] = n
 
             def head_encode(h, carry):

@@ -191,13 +191,12 @@ def _recip(d, spec):
     return quant.prescaled_reciprocal(d, div=lambda a, b: _div(a, b, spec))
 
 
-def _row_sumsq(ys, m_safe):
-    """sum((y s)^2) per token over the [W, G] key chunks ys, s = ``quant.
-    pow2_prescale(m_safe)`` (the chunks' squares summed element-wise first, in chunk
-    order), and 1 / s: the reference's norm is sqrt(sum) / s."""
-    sc, inv = quant.pow2_prescale(m_safe)
+def _row_sumsq(ys, sc):
+    """sum((y s)^2) per token over the [W, G] key chunks ys, s = ``sc`` [G] (the power of
+    two of ``quant.pow2_prescale``; the chunks' squares summed element-wise first, in chunk
+    order): the reference's norm is sqrt(sum) / s."""
     acc = None
     for y in ys:
         z = y * sc[None, :]
         acc = z * z if acc is None else acc + z * z
-    return jnp.sum(acc, axis=0), inv
+    return jnp.sum(acc, axis=0)
