@@ -174,23 +174,18 @@ def chain_time(enc, args, n1=2, n2=12, calls=5):
 
 def kernel_time(fn, args, calls=10, warm_s=0.3) -> tuple[float, dict[str, float]]:
     """Device seconds of fn(*args)'s GPU kernels per call (their sum: gaps between them
-    and host dispatch excluded) and each kernel's microseconds, from a profiler trace of
-    ``calls`` separate jitted calls; (nan, {}) without a GPU. A kernel that runs once a
-    call counts its median duration (others their mean). Before the trace the function
-    runs for ``warm_s`` seconds: after a compile the GPU idles at a low clock, and ten
-    calls of a 0.09 ms encode do not outlast its ramp."""
-    from benchmarks.profile_decode import traced_kernels
+    and host dispatch excluded) and each kernel's median microseconds per call
+    (``profile_decode.profile``: a profiler trace of ``calls`` separate jitted calls);
+    (nan, {}) without a GPU. The function first runs for ``warm_s`` seconds, a guard
+    against a clock still ramping after a compile (on the H200, 0 / 0.3 / 1.0 s gave the
+    same figures within 1%: benchmarks/results/h200/s19/r3)."""
+    from benchmarks.profile_decode import profile
 
     fn = jax.jit(fn)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < warm_s:
         jax.block_until_ready(fn(*args))
-    times = traced_kernels(fn, args, calls)
-    per = {
-        name: float(np.median(ds)) if len(ds) == calls else float(np.sum(ds)) / calls
-        for name, ds in times.items()
-    }
-    per = dict(sorted(per.items(), key=lambda kv: -kv[1]))
+    per = profile(fn, args, calls)
     return (sum(per.values()) * 1e-6 if per else float("nan")), per
 
 
