@@ -139,6 +139,7 @@ def main(argv=None) -> int:
     )
     print(f"{len(irs)} Pallas kernel(s); the largest at num_warps={warps}, num_stages={stages}")
     print(" ".join(ln.strip() for ln in usage.splitlines() if "REG" in ln))
+    print(f"dynamic shared memory {ck.metadata.shared} B a program")
     print(f"static instructions {sum(ops.values())}; loops {loops(sass)}")
     print(ops.most_common(30))
     if args.live:
