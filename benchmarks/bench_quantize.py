@@ -267,7 +267,7 @@ def run_bench(log, tokens=(32768, 131072), variants=None, chain=False, warm_s=0.
                 hadamard.DENSE_DEFAULT = dense_default
             log(json.dumps(row))
             rows.append(row)
-    return dict(copy_tbps=bw_copy / 1e12, rows=rows)  # rows: also of a same-size copy
+    return dict(copy_tbps=bw_copy / 1e12, rows=rows)
 
 
 def main():
