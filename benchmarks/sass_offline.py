@@ -8,11 +8,21 @@ instruction count by opcode and each loop's length (the per-block / per-group fi
 With ``--live`` it also prints the peak of live registers (``nvdisasm -plr``). Files go to
 OUTDIR (``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin``, ``.sass``). The counts are what
 the H200 runs up to JAX's own Triton build (the device's jaxlib): session 18 saw the same
-registers that Nsight Compute reported. Needs ``pip install triton`` (not a project
+registers that Nsight Compute reported, but see below. Needs ``pip install triton`` (not a project
 dependency; 3.6 was used) and reaches into JAX internals, so it is a development tool::
 
     python3 benchmarks/sass_offline.py quantize /tmp/q --opts '{"tokens": 32768}'
     python3 benchmarks/sass_offline.py decode /tmp/d --opts '{"L": 131072}' --live
+    python3 benchmarks/sass_offline.py ncu sass.csv   # the device's own SASS, from ncu
+
+The offline compile is not always the device's: for session 20's key-norm change JAX
+0.11.2's Triton gave 208 registers where Triton 3.6-3.9 give 179-183, and the device
+does not contract multiply-adds into FFMA (80 against 256 in session 18's kernel). ``ncu`` reads the
+SASS the device ran, from an Nsight Compute export (on the H200):
+
+    ncu -k regex:oscar_quantize --launch-count 1 --section LaunchStats -o rep \
+      python3 benchmarks/ncu_kernels.py quantize --tokens 32768
+    ncu -i rep.ncu-rep --page source --print-source sass --csv > sass.csv
 
 Options (JSON): quantize: ``tokens``, ``bits`` and any ``pallas_kernels.quantize.encode``
 knob; decode: ``B``, ``L`` and any ``decode_attention`` option (Qwen3-8B shape: 32 query
@@ -23,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
+import io
 import json
 import os
 import re
@@ -101,13 +113,43 @@ def loops(sass: str) -> list[int]:
     return out
 
 
+def from_ncu_csv(text: str) -> str:
+    """The kernel SASS of an Nsight Compute source export (``ncu -i REP --page source
+    --print-source sass --csv``: the code the device's own toolchain built) as nvdisasm-
+    style lines, labels at branch targets, so that ``loops`` and the counts read it."""
+    rows = [r for r in csv.reader(io.StringIO(text)) if len(r) == 2 and r[0].startswith("0x")]
+    bra = re.compile(r"BRA\s+0x([0-9a-f]+)")
+    targets = {int(m.group(1), 16) for _, src in rows if (m := bra.search(src))}
+    lines = []
+    for addr, src in rows:
+        if int(addr, 16) in targets:
+            lines.append(f".L_x_{int(addr, 16)}:")
+        src = bra.sub(lambda m: f"BRA `(.L_x_{int(m.group(1), 16)})", src.strip())
+        lines.append(f"        /*{addr[2:]}*/ {src} ;")
+    return "\n".join(lines)
+
+
+def report(sass: str) -> collections.Counter:
+    """Print the static instruction count, each loop's length and the commonest opcodes."""
+    ops = collections.Counter(
+        m.group(2).split(".")[0] for ln in sass.splitlines() if (m := OP.match(ln))
+    )
+    print(f"static instructions {sum(ops.values())}; loops {loops(sass)}")
+    print(ops.most_common(30))
+    return ops
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("quantize", "decode"))
-    ap.add_argument("outdir")
+    ap.add_argument("what", choices=("quantize", "decode", "ncu"))
+    ap.add_argument("outdir", help="output folder (ncu: the source export to read)")
     ap.add_argument("--opts", default="{}", help="JSON options (see the module docstring)")
     ap.add_argument("--live", action="store_true", help="peak live registers (nvdisasm -plr)")
     args = ap.parse_args(argv)
+    if args.what == "ncu":
+        with open(args.outdir) as fh:
+            report(from_ncu_csv(fh.read()))
+        return 0
     try:
         import triton
         import triton.backends.nvidia as nv
@@ -134,14 +176,10 @@ def main(argv=None) -> int:
     with open(path("sass"), "w") as fh:
         fh.write(sass)
     usage = run(os.path.join(tools, "cuobjdump"), "--dump-resource-usage", path("cubin"))
-    ops = collections.Counter(
-        m.group(2).split(".")[0] for ln in sass.splitlines() if (m := OP.match(ln))
-    )
     print(f"{len(irs)} Pallas kernel(s); the largest at num_warps={warps}, num_stages={stages}")
     print(" ".join(ln.strip() for ln in usage.splitlines() if "REG" in ln))
     print(f"dynamic shared memory {ck.metadata.shared} B a program")
-    print(f"static instructions {sum(ops.values())}; loops {loops(sass)}")
-    print(ops.most_common(30))
+    report(sass)
     if args.live:
         plr = run(os.path.join(tools, "nvdisasm"), "-plr", "-c", path("cubin"))
         live = [

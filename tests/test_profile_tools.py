@@ -129,6 +129,28 @@ def test_sass_offline_counts_loops():
     assert sass_offline.loops(sass) == [3]  # the forward branch to .L_x_2 is no loop
 
 
+def test_sass_offline_reads_an_ncu_source_export(capsys):
+    """An Nsight Compute source export (absolute branch targets) reads as the same loops
+    and opcode counts as nvdisasm's text."""
+    from benchmarks import sass_offline
+
+    csv_text = "\n".join([
+        '"Kernel Name","oscar_quantize_int2"',
+        '"Address","Source"',
+        '"0x7f0000000d00","      MOV R1, c[0x0][0x28]"',
+        '"0x7f0000000d10","      FADD R2, R2, R3"',
+        '"0x7f0000000d20","      FMUL R2, R2, R3"',
+        '"0x7f0000000d30","@P0   BRA 0x7f0000000d10"',
+        '"0x7f0000000d40","@P1   BRA 0x7f0000000d50"',
+        '"0x7f0000000d50","      EXIT"',
+    ])  # fmt: skip
+    sass = sass_offline.from_ncu_csv(csv_text)
+    assert sass_offline.loops(sass) == [3]
+    ops = sass_offline.report(sass)
+    assert ops == {"MOV": 1, "FADD": 1, "FMUL": 1, "BRA": 2, "EXIT": 1}
+    assert "loops [3]" in capsys.readouterr().out
+
+
 def test_sass_offline_rejects_unknown_kernel():
     from benchmarks import sass_offline
 
