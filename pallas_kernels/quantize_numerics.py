@@ -191,12 +191,23 @@ def _recip(d, spec):
     return quant.prescaled_reciprocal(d, div=lambda a, b: _div(a, b, spec))
 
 
-def _row_sumsq(ys, sc):
+def _row_sumsq(ys, sc, spec):
     """sum((y s)^2) per token over the [W, G] key chunks ys, s = ``sc`` [G] (the power of
     two of ``quant.pow2_prescale``; the chunks' squares summed element-wise first, in chunk
-    order): the reference's norm is sqrt(sum) / s."""
+    order): the reference's norm is sqrt(sum) / s. On the GPU each square is added by one
+    ``fma.rn`` (JAX's Triton does not contract a multiply and an add by itself): the sum
+    may differ from the reference's in its last bit, as the reduction order already lets
+    it."""
     acc = None
     for y in ys:
         z = y * sc[None, :]
-        acc = z * z if acc is None else acc + z * z
+        if acc is None:
+            acc = z * z
+        elif spec.interpret:
+            acc = acc + z * z
+        else:
+            (acc,) = plgpu.elementwise_inline_asm(
+                "fma.rn.f32 $0, $1, $1, $2;", args=[z, acc], constraints="=f,f,f", pack=1,
+                result_shape_dtypes=[jax.ShapeDtypeStruct(z.shape, jnp.float32)],
+            )  # fmt: skip
     return jnp.sum(acc, axis=0)
