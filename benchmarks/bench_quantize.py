@@ -196,12 +196,13 @@ VARIANTS = {  # name -> encode options (None: the XLA path; "dense": XLA, matmul
     "pallas": {},  # the defaults of ``quantize.encode``
     "pallas fastdiv": dict(exact_division=False),
 }
-_KNOBS = {"gpb": "groups_per_block", "w": "num_warps", "s": "num_stages"}
+_KNOBS = {"gpb": "groups_per_block", "w": "num_warps", "s": "num_stages", "r": "max_registers"}
 
 
 def variant_options(name: str):
     """Encode options of a variant: a VARIANTS name, or "pallas" followed by knobs
-    such as ``gpb4 w2 s2`` (groups per block, warps, stages) and ``fastdiv``."""
+    such as ``gpb4 w2 s2 r144`` (groups per block, warps, stages, register cap; ``r0``: none) and
+    ``fastdiv``."""
     if name in VARIANTS:
         return VARIANTS[name]
     head, *knobs = name.split()
@@ -211,7 +212,7 @@ def variant_options(name: str):
         if knob == "fastdiv":
             opts["exact_division"] = False
         elif key in _KNOBS and num and key + num == knob:
-            opts[_KNOBS[key]] = int(num)
+            opts[_KNOBS[key]] = int(num) if knob != "r0" else None  # r0: no register cap
         else:
             head = None
     if head != "pallas":

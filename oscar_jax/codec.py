@@ -7,7 +7,7 @@ G key group (tokens), Gv value group (channels).
 
 Keys (``encode_keys``): rotate (``rotate_keys``), divide by the stored l2 norm
 (``token_scaling``; a zero-norm key stays zero and stores norm 0, so no NaN; the
-division is a multiply by ``quant.prescaled_reciprocal`` of the norm, as in the kernel),
+division is (x s) * ``quant.scaled_reciprocal`` of the norm, as in the kernel),
 quantize per channel over G consecutive tokens, pack along channels.
 Values (``encode_values``): rotate (``rotate_values``), quantize per token over
 Gv consecutive channels, pack along channels.
@@ -43,9 +43,11 @@ class EncodedValues(NamedTuple):
     zero: Array  # [B, H, T, D/Gv] param dtype
 
 
-def token_l2_norm(x: Float[Array, "B H T D"], granularity: str) -> Float[Array, "B Hn T"]:
-    """Overflow-safe l2 norm per (token, head) or per token over all heads (float32):
-    sqrt(sum((x s)^2)) / s with s the power of two of ``quant.pow2_prescale`` of max |x|
+def token_norm_and_prescale(
+    x: Float[Array, "B H T D"], granularity: str
+) -> tuple[Float[Array, "B Hn T"], Float[Array, "B Hn T"]]:
+    """Overflow-safe l2 norm per (token, head) or per token over all heads (float32),
+    sqrt(sum((x s)^2)) / s, and s: the power of two of ``quant.pow2_prescale`` of max |x|
     (exact scalings; the Pallas encoder computes the same, summing in another order)."""
     axes = (-1,) if granularity == "per_head" else (1, 3)
     xf = x.astype(jnp.float32)
@@ -56,7 +58,12 @@ def token_l2_norm(x: Float[Array, "B H T D"], granularity: str) -> Float[Array, 
     s, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
     n = jnp.sqrt(jnp.sum(jnp.square(xf * s), axis=axes, keepdims=True)) * inv
     n = jnp.where(m > 0, n, 0.0)
-    return n.reshape(n.shape[:3])
+    return n.reshape(n.shape[:3]), s.reshape(n.shape[:3])
+
+
+def token_l2_norm(x: Float[Array, "B H T D"], granularity: str) -> Float[Array, "B Hn T"]:
+    """The norm of ``token_norm_and_prescale``."""
+    return token_norm_and_prescale(x, granularity)[0]
 
 
 @compiled(arrays=("k",))
@@ -68,10 +75,11 @@ def encode_keys_xla(k: Float[Array, "B H T D"], cfg: KVQuantConfig) -> EncodedKe
     b, h, t, _ = x.shape
     hn = h if cfg.norm_granularity == "per_head" else 1
     if cfg.token_scaling:
-        n32 = quant.round_to_dtype(token_l2_norm(x, cfg.norm_granularity), cfg.norm_jnp_dtype)
+        n, s = token_norm_and_prescale(x, cfg.norm_granularity)  # [B, Hn, T]
+        n32 = quant.round_to_dtype(n, cfg.norm_jnp_dtype)  # the stored norm
         norm = n32.astype(cfg.norm_jnp_dtype)
-        p, r = quant.prescaled_reciprocal(n32[..., None])  # [B, Hn, T, 1]: the stored norm
-        x = (x * p) * r
+        r = quant.scaled_reciprocal(n32, s)
+        x = (x * s[..., None]) * r[..., None]
     else:
         norm = jnp.ones((b, hn, t), cfg.norm_jnp_dtype)
     codes, scale, zero = quant.quantize_groups(x, cfg.bits, cfg.group_size, 2, cfg.scale_dtype)

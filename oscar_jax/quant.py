@@ -122,29 +122,22 @@ def round_to_dtype(x: Array, dtype) -> Array:
     return x.astype(dtype).astype(jnp.float32)  # fp8 formats: saturating rules of their own
 
 
-TINY = 2.0**-100  # below this a divisor is pre-scaled by 2**100 (exact) before 1/d
-HUGE = 2.0**124  # from this on a divisor is pre-scaled by 2**-4, so that 1/d stays normal
+def scaled_reciprocal(d: Array, s: Array, div=jnp.divide) -> Array:
+    """r = 1 / (d s) (float32; 0 where d s is 0, inf or NaN), so that x / d ~= (x s) * r.
 
-
-def prescaled_reciprocal(d: Array, div=jnp.divide) -> tuple[Array, Array]:
-    """(p, r) with x / d ~= (x * p) * r: one IEEE reciprocal per divisor, then multiplies.
-
-    ``p`` is 2**100 where ``0 < |d| < 2**-100``, 2**-4 where ``|d| >= 2**124``, else 1,
-    so ``r = 1 / (d * p)`` is a normal float32 (in [2**-124, 2**100]) for every finite
-    non-zero d (XLA on CPU reads a subnormal d as 0: r = 0); scaling by p is exact. The
-    encoders (XLA and the Pallas kernel) divide tile elements this way, so both compute
-    the same bits with one division per row or column instead of one per element.
-    ``d == 0`` gives r = 0. ``div`` is the division to use (the Pallas kernel passes its
-    IEEE ``div.rn``, or for 16-bit divisors a Newton reciprocal, which needs the normal
-    range).
+    ``d`` is a stored token norm and ``s`` the power of two of ``pow2_prescale`` of the
+    max |x| it was computed from (``codec.token_norm_and_prescale``). Then d s lies in
+    [2**-23, 4.02 sqrt(n)] for a norm over n elements (m s is in [1, 4) for a normal m,
+    >= 2**-23 for a subnormal one), so r is a normal float32 for every finite non-zero
+    d, with no range cases: both scalings by s are exact, and (x s) r rounds as x * (1 /
+    d) where 1 / d is normal. The encoders (XLA and the Pallas kernel) divide key tiles
+    this way, one division per token instead of one per element; the kernel's x s is the
+    one its norm's sum of squares already takes. ``div`` is the division to use (the
+    kernel passes its IEEE ``div.rn`` or, for 16-bit norms, a Newton reciprocal).
     """
-    d = d.astype(jnp.float32)
-    ad = jnp.abs(d)
-    p = jnp.where(ad < TINY, jnp.float32(2.0**100), jnp.float32(1.0))
-    p = jnp.where(ad >= HUGE, jnp.float32(2.0**-4), p)
-    dp = d * p
-    nz = dp != 0
-    return p, jnp.where(nz, div(jnp.ones_like(dp), jnp.where(nz, dp, 1.0)), 0.0)
+    ds = d.astype(jnp.float32) * s
+    ok = (ds > 0) & (ds < jnp.inf)
+    return jnp.where(ok, div(jnp.ones_like(ds), jnp.where(ok, ds, 1.0)), 0.0)
 
 
 def pow2_prescale(m: Array) -> tuple[Array, Array]:

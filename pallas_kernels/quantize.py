@@ -33,9 +33,9 @@ programs were measured slower (0.331 vs 0.249 ms at 32K tokens, H200) at the sam
 register count.
 
 Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm
-(``codec.token_l2_norm``: a power-of-two prescale, exact), division by the *stored*
-norm as a multiply by its ``quant.prescaled_reciprocal`` (one IEEE-rounded reciprocal
-per token, as the reference does), min/max per group, codes from
+(``codec.token_norm_and_prescale``: a power-of-two prescale s, exact), division by the
+*stored* norm d as (y s) * ``quant.scaled_reciprocal`` (one IEEE-rounded 1 / (d s) per
+token, as the reference does; y s is the norm's own scaled tile), min/max per group, codes from
 the *stored* (rounded) scale/zero times the inverse scale, round half to even,
 constant group -> code 0.
 With ``exact_division=True`` (default) divisions are IEEE round-to-nearest
@@ -64,6 +64,7 @@ from jax.experimental.pallas import triton as plgpu
 import oscar_jax
 from oscar_jax import codec, hadamard, quant
 from oscar_jax.config import KVQuantConfig
+from pallas_kernels import register_cap
 from pallas_kernels.quantize_numerics import (
     _quantize,
     _recip,
@@ -81,12 +82,14 @@ class QuantizeTuning:
     num_warps: Triton warps per program (1, 2, 4, 8, 16).
     num_stages: Triton software-pipelining stages (1..8).
     exact_division: IEEE-rounded divisions as in XLA (True) or reciprocal multiplies.
+    max_registers: a cap on registers a thread (``register_cap``; None: ptxas decides).
     """
 
     groups_per_block: int = 4
     num_warps: int = 2
     num_stages: int = 2
     exact_division: bool = True
+    max_registers: int | None = None
 
     def __post_init__(self):
         for name, lo, hi in (("groups_per_block", 1, 64), ("num_stages", 1, 8)):
@@ -99,6 +102,11 @@ class QuantizeTuning:
             raise ValueError(f"num_warps={self.num_warps!r} must be one of 1, 2, 4, 8, 16")
         if not isinstance(self.exact_division, bool):
             raise ValueError(f"exact_division={self.exact_division!r} must be a bool")
+        r = self.max_registers
+        if r is not None and (
+            isinstance(r, bool) or not isinstance(r, int | np.integer) or not 24 <= r <= 255
+        ):
+            raise ValueError(f"max_registers={r!r} must be None or an int in [24, 255]")
 
 
 def kernel_unsupported_reason(cfg: KVQuantConfig, head_dim: int) -> str | None:
@@ -154,9 +162,10 @@ def _store_codes(ref, b, h, t0, packed, spec: _Spec):
 
 
 def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):
-    """Quantize one head's key tile (divided by the norms, den = (p, r) [G], if given)
-    and store it. The tile is held as [W, G] chunks (channels x tokens): the MMA splits
-    the channels between the warps, so a channel's min/max over the group's tokens is
+    """Quantize one head's key tile ys (rotated here if None), divided by the norms as
+    (y s) r with den = (s, r) [G] if given (s None: ys already scaled), and store it.
+    The tile is held as [W, G] chunks (channels x tokens): the MMA splits the channels
+    between the warps, so a channel's min/max over the group's tokens is
     one warp's (8 values a thread, two shuffle steps) where [G, W] tiles took three steps
     and an exchange through shared memory, and each thread derives the scales of 2
     channels a chunk instead of 8 (session 18: 3,048 against 3,544 instructions a group,
@@ -171,7 +180,8 @@ def _encode_key_head(k_ref, mat_ref, outs, b, h, t0, den, spec: _Spec, ys=None):
     for k in reversed(range(len(ys))):  # planes from the highest down (see _codes)
         y = ys[k]  # [W, G]
         if den is not None:
-            y = (y * den[0][None, :]) * den[1][None, :]
+            y = y if den[0] is None else y * den[0][None, :]
+            y = y * den[1][None, :]
         mn, mx = jnp.min(y, axis=1, keepdims=True), jnp.max(y, axis=1, keepdims=True)
         scale, zero, packed[k % npl] = _quantize(y, mn, mx, spec, packed[k % npl])
         ks_ref[b, h, grp, pl.ds(k * w, w)] = scale[:, 0]
@@ -214,9 +224,9 @@ def _kernel(*refs, spec: _Spec):
     per_token = cfg.token_scaling and cfg.norm_granularity == "per_token"
     norm_dt = cfg.norm_jnp_dtype
 
-    def stored_den(m, sumsq, inv):  # sumsq = sum((y s)^2), inv = 1 / s: the norm, (p, r)
+    def stored_norm(m, sumsq, sc, inv):  # sumsq = sum((y s)^2), inv = 1 / s: the norm, r
         n = jnp.where(m > 0, jnp.sqrt(sumsq) * inv, 0.0).astype(norm_dt)
-        return n, _recip(n.astype(jnp.float32), spec)
+        return n, _recip(n.astype(jnp.float32), sc, spec)
 
     def one_group(i):
         t0 = (blk * gpb + i) * g
@@ -229,7 +239,9 @@ def _kernel(*refs, spec: _Spec):
                 if cfg.token_scaling:
                     m = _row_max_abs(ys)
                     sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
-                    n, den = stored_den(m, _row_sumsq(ys, sc, spec), inv)
+                    sumsq, ys = _row_sumsq(ys, sc, spec)  # ys scaled by sc
+                    n, r = stored_norm(m, sumsq, sc, inv)
+                    den = (None, r)
                     kn_ref[b, hb, pl.ds(t0, g)] = n
                 _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, hb, t0, den, spec, ys)
                 _encode_value_head(v_ref, mat_ref, vouts, b, hb, t0, spec)
@@ -244,10 +256,11 @@ def _kernel(*refs, spec: _Spec):
 
             def head_sumsq(h, s):
                 ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec, True)
-                return s + _row_sumsq(ys, sc, spec)
+                return s + _row_sumsq(ys, sc, spec)[0]
 
             s = jax.lax.fori_loop(0, spec.h, head_sumsq, jnp.zeros((g,), jnp.float32))
-            n, den = stored_den(m, s, inv)
+            n, r = stored_norm(m, s, sc, inv)
+            den = (sc, r)
             kn_ref[b, 0, pl.ds(t0, g)] = n
 
             def head_encode(h, carry):
@@ -294,6 +307,8 @@ def _encode_pallas(k, v, spec: _Spec):
     nblk = pl.cdiv(t // g, spec.tuning.groups_per_block)
     kwargs = {}
     if not spec.interpret:
+        if spec.tuning.max_registers is not None:
+            register_cap.install()
         kwargs["compiler_params"] = plgpu.CompilerParams(
             num_warps=spec.tuning.num_warps, num_stages=spec.tuning.num_stages
         )
@@ -302,7 +317,7 @@ def _encode_pallas(k, v, spec: _Spec):
         out_shape=out_shape,
         grid=(bsz, 1 if per_token else h, nblk),
         interpret=spec.interpret,
-        name=f"oscar_quantize_int{cfg.bits}",
+        name=register_cap.capped_name(f"oscar_quantize_int{cfg.bits}", spec.tuning.max_registers),
         **kwargs,
     )(*args)
     kc, ks, kz, *rest = outs
@@ -319,14 +334,24 @@ def default_num_warps(group_size: int, head_dim: int) -> int:
     return int(min(8, max(2, 2 * group_size * head_dim // 4096)))
 
 
+def default_max_registers(group_size: int, head_dim: int, num_warps: int) -> int | None:
+    """A cap of 128 registers a thread (8 programs of 2 warps an SM instead of 6) for
+    tiles up to 32 x 128 at 2 warps, where ptxas fits the encoder in 128 without spills
+    (offline: 138 live at the peak uncapped, 121 capped; 16 more loop instructions);
+    larger tiles are left to ptxas."""
+    return 128 if num_warps == 2 and group_size * head_dim <= 4096 else None
+
+
 def encode(
     k, v, cfg: KVQuantConfig, *, interpret: bool | None = None, groups_per_block: int = 4,
     num_warps: int | None = None, num_stages: int = 2, exact_division: bool = True,
+    max_registers: int | None | str = "auto",
 ) -> tuple[codec.EncodedKeys, codec.EncodedValues]:  # fmt: skip
     """Fused encoder of head-major k, v [B, H, T, D] (T a multiple of G); codec's layout.
 
     ``interpret=None`` runs Pallas interpret mode when no GPU is present. The knobs
-    build a ``QuantizeTuning`` (``num_warps=None``: ``default_num_warps``). Configs the
+    build a ``QuantizeTuning`` (``num_warps=None``: ``default_num_warps``;
+    ``max_registers="auto"``: ``default_max_registers``, None: no cap). Configs the
     kernel does not cover (see ``kernel_unsupported_reason``: bits 1/3/8, float8
     params, odd head_dim, G < 16) are encoded by the XLA path instead.
     """
@@ -343,7 +368,9 @@ def encode(
     t, d = k.shape[2], k.shape[3]
     if num_warps is None:
         num_warps = default_num_warps(cfg.group_size, d)
-    tuning = QuantizeTuning(groups_per_block, num_warps, num_stages, exact_division)
+    if isinstance(max_registers, str) and max_registers == "auto":
+        max_registers = default_max_registers(cfg.group_size, d, num_warps)
+    tuning = QuantizeTuning(groups_per_block, num_warps, num_stages, exact_division, max_registers)
     if t % cfg.group_size:
         raise ValueError(f"tokens T={t} must be a multiple of group_size={cfg.group_size}")
     if kernel_unsupported_reason(cfg, d) is not None or jnp.dtype(k.dtype).itemsize > 4:

@@ -180,27 +180,29 @@ def _row_max_abs(ys):
     return jnp.max(m, axis=0)
 
 
-def _recip(d, spec):
-    """quant.prescaled_reciprocal of stored norms d with the kernel's division: (p, r),
-    x / d ~= (x * p) * r. 16-bit norms take ``_newton_rcp`` (d * p is a normal float of
-    at most 11 significant bits): no ``div.rn`` with its slow path and call, which
-    pinned registers."""
+def _recip(d, sc, spec):
+    """quant.scaled_reciprocal of stored norms d (f32 [G]) and their prescales sc with the
+    kernel's division: r, x / d ~= (x sc) * r. 16-bit norms take ``_newton_rcp`` (d sc is
+    a normal float of at most 11 significant bits with a normal reciprocal): no ``div.rn``
+    with its slow path and call, which pinned registers."""
     gpu_exact = not spec.interpret and spec.tuning.exact_division
     if gpu_exact and _short(spec.cfg.norm_jnp_dtype):
-        return quant.prescaled_reciprocal(d, div=lambda a, b: _newton_rcp(b))
-    return quant.prescaled_reciprocal(d, div=lambda a, b: _div(a, b, spec))
+        return quant.scaled_reciprocal(d, sc, div=lambda a, b: _newton_rcp(b))
+    return quant.scaled_reciprocal(d, sc, div=lambda a, b: _div(a, b, spec))
 
 
 def _row_sumsq(ys, sc, spec):
-    """sum((y s)^2) per token over the [W, G] key chunks ys, s = ``sc`` [G] (the power of
-    two of ``quant.pow2_prescale``; the chunks' squares summed element-wise first, in chunk
-    order): the reference's norm is sqrt(sum) / s. On the GPU each square is added by one
-    ``fma.rn`` (JAX's Triton does not contract a multiply and an add by itself): the sum
-    may differ from the reference's in its last bit, as the reduction order already lets
-    it."""
-    acc = None
+    """(sum((y s)^2) per token over the [W, G] key chunks ys, the chunks y s), s = ``sc``
+    [G] (the power of two of ``quant.pow2_prescale``; the chunks' squares summed element-
+    wise first, in chunk order): the reference's norm is sqrt(sum) / s, and its keys over
+    the norm (y s) * ``_recip``, so the scaled chunks serve both. On the GPU each square
+    is added by one ``fma.rn`` (JAX's Triton does not contract a multiply and an add by
+    itself): the sum may differ from the reference's in its last bit, as the reduction
+    order already lets it."""
+    acc, zs = None, []
     for y in ys:
         z = y * sc[None, :]
+        zs.append(z)
         if acc is None:
             acc = z * z
         elif spec.interpret:
@@ -210,4 +212,4 @@ def _row_sumsq(ys, sc, spec):
                 "fma.rn.f32 $0, $1, $1, $2;", args=[z, acc], constraints="=f,f,f", pack=1,
                 result_shape_dtypes=[jax.ShapeDtypeStruct(z.shape, jnp.float32)],
             )  # fmt: skip
-    return jnp.sum(acc, axis=0)
+    return jnp.sum(acc, axis=0), zs

@@ -137,14 +137,24 @@ class ScalingTest(parameterized.TestCase):
         assert np.all(np.isfinite(got)) and np.all(got[~normal] >= 0)
         assert float(codec.token_l2_norm(jnp.zeros((1, 1, 2, 8)), gran).max()) == 0.0
 
-    def test_prescaled_reciprocal_stays_normal(self):
-        d = np.array([2.0**-126, 2.0**-120, 3e-31, 1.0, 3.0, 2.0**124, 3e38], np.float32)
-        p, r = (np.asarray(a, np.float64) for a in quant.prescaled_reciprocal(jnp.asarray(d)))
-        assert np.all(r >= 2.0**-126) and np.all(r <= 2.0**100)
-        x = d.astype(np.float64) * 0.75  # (x p) r ~ x / d = 0.75
-        np.testing.assert_allclose(x * p * r, 0.75, rtol=1e-6)
-        _, r0 = quant.prescaled_reciprocal(jnp.zeros(2))
-        np.testing.assert_array_equal(r0, 0.0)
-        # a subnormal divisor: XLA on CPU reads it as 0 (r = 0), else r is normal: never inf
-        _, rs = quant.prescaled_reciprocal(jnp.asarray([2.0**-149], jnp.float32))
-        assert float(rs[0]) == 0.0 or 2.0**-126 <= float(rs[0]) <= 2.0**100
+    @parameterized.parameters("per_head", "per_token")
+    def test_scaled_reciprocal_normal_and_as_one_over_norm(self, gran):
+        """r = 1 / (d s) is a normal float at every scale, and (x s) r equals x * (1 / d)
+        wherever 1 / d is normal: the same bits as a multiply by the norm's reciprocal."""
+        x = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 16, 64), jnp.float32)
+        scale = jnp.asarray(10.0 ** np.linspace(-44, 37, 16), jnp.float32)[None, None, :, None]
+        x = x * scale  # tokens from subnormal values to 1e37
+        n, s = codec.token_norm_and_prescale(x, gran)  # [1, Hn, 16]
+        d = quant.round_to_dtype(n, jnp.bfloat16)  # a stored norm
+        r = quant.scaled_reciprocal(d, s)
+        r64, d64 = np.asarray(r, np.float64), np.asarray(d, np.float64)
+        assert np.all(r64[d64 >= 2.0**-126] > 0)
+        assert np.all(r64[r64 > 0] >= 2.0**-126) and np.all(r64 <= 2.0**126)
+        ok = (d64 >= 2.0**-126) & (d64 <= 2.0**126)
+        assert ok.sum() >= 10 * d.shape[1]
+        got = (x * s[..., None]) * r[..., None]
+        want = x * jnp.where(d > 0, 1.0 / jnp.where(d > 0, d, 1.0), 0.0)[..., None]
+        mask = np.broadcast_to(ok[..., None], x.shape)
+        np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(want)[mask])
+        for bad in (0.0, np.inf, np.nan):  # no norm, an overflowed one, a NaN key: r = 0
+            np.testing.assert_array_equal(quant.scaled_reciprocal(jnp.full(2, bad), 1.0), 0.0)
