@@ -285,11 +285,36 @@ class TestQuantizeKernelAPI:
         with pytest.raises(ValueError, match="quantized"):
             pq.encode(k, v, oj.preset("bf16"), interpret=True)
         for bad in (dict(groups_per_block=0), dict(num_warps=3), dict(num_stages=0),
-                    dict(exact_division=1), dict(groups_per_block=2.0)):  # fmt: skip
+                    dict(exact_division=1), dict(groups_per_block=2.0),
+                    dict(max_registers=300), dict(max_registers=True)):  # fmt: skip
             with pytest.raises(ValueError):
                 pq.QuantizeTuning(**bad)
         with pytest.raises(ValueError, match="num_warps"):
             pq.encode(k, v, cfg, interpret=True, num_warps=5)
+
+    def test_register_cap_reaches_the_triton_ir(self):
+        """max_registers names the kernel ``*_maxnregN`` and puts ``nvvm.maxnreg = N`` on
+        its tt.func when lowered for CUDA (here on the CPU; the PTX gets ``.maxnreg``);
+        without a cap neither appears. Numerics do not depend on the cap."""
+        from benchmarks.sass_offline import capture_triton_ir
+
+        assert pq.default_max_registers(32, 128, 2) == 128
+        assert pq.default_max_registers(128, 128, 8) is None
+        cfg = oj.preset("oscar", bits=2)
+        k = jax.ShapeDtypeStruct((1, 2, 64, 128), jnp.bfloat16)
+        for cap, want in ((128, "nvvm.maxnreg = 128 : i32"), (None, None)):
+            f = jax.jit(lambda k, v, c=cap: pq.encode(k, v, cfg, interpret=False, max_registers=c))
+            irs = capture_triton_ir(lambda f=f: f.trace(k, k).lower(lowering_platforms=("cuda",)))
+            ((ir, _, _),) = irs
+            if want:
+                assert want in ir and "@oscar_quantize_int2_maxnreg128" in ir
+            else:
+                assert "maxnreg" not in ir
+        kk, vv = head_major_kv(6, 1, 64, 2, 128, jnp.bfloat16)
+        got = pq.encode(kk, vv, cfg, interpret=True, max_registers=96)
+        want = pq.encode(kk, vv, cfg, interpret=True, max_registers=None)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(a, b)
 
     def test_registered(self):
         from oscar_jax import codec
