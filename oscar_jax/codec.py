@@ -55,7 +55,7 @@ def token_norm_and_prescale(
         xf = jnp.swapaxes(xf, 1, 2)[:, None]  # [B, 1, T, H, D]
         axes = (-2, -1)
     m = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
-    s, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
+    s, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0), quant.NORM_MAX_EXPONENT)
     n = jnp.sqrt(jnp.sum(jnp.square(xf * s), axis=axes, keepdims=True)) * inv
     n = jnp.where(m > 0, n, 0.0)
     return n.reshape(n.shape[:3]), s.reshape(n.shape[:3])

@@ -127,26 +127,35 @@ def scaled_reciprocal(d: Array, s: Array, div=jnp.divide) -> Array:
 
     ``d`` is a stored token norm and ``s`` the power of two of ``pow2_prescale`` of the
     max |x| it was computed from (``codec.token_norm_and_prescale``). Then d s lies in
-    [2**-23, 4.02 sqrt(n)] for a norm over n elements (m s is in [1, 4) for a normal m,
-    >= 2**-23 for a subnormal one), so r is a normal float32 for every finite non-zero
-    d, with no range cases: both scalings by s are exact, and (x s) r rounds as x * (1 /
-    d) where 1 / d is normal. The encoders (XLA and the Pallas kernel) divide key tiles
-    this way, one division per token instead of one per element; the kernel's x s is the
-    one its norm's sum of squares already takes. ``div`` is the division to use (the
-    kernel passes its IEEE ``div.rn`` or, for 16-bit norms, a Newton reciprocal).
+    [2**-23, 129 sqrt(n)] for a norm over n elements (m s is in [1, 4) for a normal m
+    below 2**122, [2, 128) above, >= 2**-23 for a subnormal one), so r is a normal
+    float32 for every finite non-zero d, with no range cases: both scalings by s are
+    exact, and (x s) r rounds as x * (1 / d) where 1 / d is normal. The encoders (XLA
+    and the Pallas kernel) divide key tiles this way, one division per token instead of
+    one per element; the kernel's x s is the one its norm's sum of squares already
+    takes. ``div`` is the division to use (the kernel passes its IEEE ``div.rn`` or, for
+    16-bit norms, a Newton reciprocal).
     """
     ds = d.astype(jnp.float32) * s
     ok = (ds > 0) & (ds < jnp.inf)
     return jnp.where(ok, div(jnp.ones_like(ds), jnp.where(ok, ds, 1.0)), 0.0)
 
 
-def pow2_prescale(m: Array) -> tuple[Array, Array]:
+NORM_MAX_EXPONENT = 121  # the token norm's prescale s >= 2**-121: s / sqrt(b) stays normal
+
+
+def pow2_prescale(m: Array, max_exponent: int = 126) -> tuple[Array, Array]:
     """(s, 1 / s) for m > 0 (float32): s = 2**-e with e = floor(log2 m) clamped to
-    [-126, 126], so x * s (|x| <= m) lies in (-4, 4) and both scalings are exact. Read
-    from m's exponent bits: no division, the same bits on every backend (the Pallas
-    encoder calls this too); a subnormal m takes e = -126."""
+    [-126, max_exponent], so x * s (|x| <= m) lies in (-4, 4) for max_exponent = 126 (in
+    (-2**(128 - max_exponent), ..) in general) and both scalings are exact. Read from
+    m's exponent bits: no division, the same bits on every backend (the Pallas encoder
+    calls this too); a subnormal m takes e = -126. Token norms take ``NORM_MAX_EXPONENT``,
+    so that s times a Hadamard's 1 / sqrt(b) (b <= 1024) is a normal float: the encoder
+    multiplies a rotated key by the two at once."""
+    if not -126 <= max_exponent <= 126:
+        raise ValueError(f"{max_exponent=} must be in [-126, 126]")
     bits = jax.lax.bitcast_convert_type(m.astype(jnp.float32), jnp.int32)
-    e = jnp.clip((bits >> 23) & 0xFF, 1, 253)  # biased exponent
+    e = jnp.clip((bits >> 23) & 0xFF, 1, 127 + max_exponent)  # biased exponent
     s = jax.lax.bitcast_convert_type((254 - e) << 23, jnp.float32)  # 2^(127 - e)
     return s, jax.lax.bitcast_convert_type(e << 23, jnp.float32)  # 2^(e - 127)
 

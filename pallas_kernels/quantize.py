@@ -237,11 +237,18 @@ def _kernel(*refs, spec: _Spec):
         def _():
             if not per_token:
                 den = None
-                ys = rotated_chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec, True)
+                # The Hadamard's 1/sqrt(D) joins the norm's prescale: one multiply an element
+                # (max |RN(a c)| = RN(max |a| c), and RN(RN(a c) s) = RN(a (c s)) for s a
+                # power of two, so the bits are those of rotate-then-scale).
+                fold = cfg.token_scaling and cfg.rotate_keys and spec.rot_scale is not None
+                ys = rotated_chunks(
+                    k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec, True, scale=not fold
+                )
                 if cfg.token_scaling:
-                    m = _row_max_abs(ys)
-                    sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
-                    sumsq, ys = _row_sumsq(ys, sc, spec)  # ys scaled by sc
+                    c = spec.rot_scale if fold else None
+                    m = _row_max_abs(ys) if c is None else _row_max_abs(ys) * c
+                    sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0), quant.NORM_MAX_EXPONENT)
+                    sumsq, ys = _row_sumsq(ys, sc if c is None else sc * c, spec)  # ys * sc
                     n, r = stored_norm(m, sumsq, sc, inv)
                     den = (None, r)
                     kn_ref[b, hb, pl.ds(t0, g)] = n
@@ -254,7 +261,7 @@ def _kernel(*refs, spec: _Spec):
                 return jnp.maximum(m, _row_max_abs(ys))
 
             m = jax.lax.fori_loop(0, spec.h, head_max, jnp.zeros((g,), jnp.float32))
-            sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0))
+            sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0), quant.NORM_MAX_EXPONENT)
 
             def head_sumsq(h, s):
                 ys = rotated_chunks(k_ref, mat_ref, b, h, t0, cfg.rotate_keys, spec, True)

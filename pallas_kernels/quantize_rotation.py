@@ -51,10 +51,12 @@ def butterflies(zs: list) -> list:
     return zs
 
 
-def rotated_chunks(ref, mat_ref, b, h, t0, rotate: bool, spec, transpose: bool = False):
+def rotated_chunks(
+    ref, mat_ref, b, h, t0, rotate: bool, spec, transpose: bool = False, *, scale: bool = True
+):
     """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each: [G, W],
     or with ``transpose`` [W, G] (the dots then compute F^T X^T, F^T read from the
-    operand's second half).
+    operand's second half). ``scale=False`` leaves a Hadamard's 1/sqrt(b) to the caller.
 
     Hadamard rotations use H_D = H_(D/W) (x) H_W: one [G, W] x [W, W] tensor-core dot
     per chunk (with the chunk's signs folded into its factor), then butterflies across
@@ -93,4 +95,5 @@ def rotated_chunks(ref, mat_ref, b, h, t0, rotate: bool, spec, transpose: bool =
         for part in parts[1:]:
             acc = acc + mm(part, m)
         zs.append(acc)
-    return [z * spec.rot_scale for z in butterflies(zs)]
+    zs = butterflies(zs)
+    return [z * spec.rot_scale for z in zs] if scale else zs

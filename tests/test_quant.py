@@ -119,6 +119,16 @@ class ScalingTest(parameterized.TestCase):
         normal = (m >= 2.0**-126) & (m < 2.0**127)
         assert np.all((ms[normal] >= 1) & (ms[normal] < 2)), "m s in [1, 2)"
         assert np.all(ms < 4)
+        # the token norm's clamp: s >= 2^-121, so s / sqrt(1024) is still a normal float
+        s, inv = (np.asarray(a, np.float64) for a in quant.pow2_prescale(jnp.asarray(m), 121))
+        np.testing.assert_array_equal(s * inv, 1.0)
+        assert s.min() == 2.0**-121 and s.max() <= 2.0**126
+        ms = m.astype(np.float64) * s
+        mid = (m >= 2.0**-126) & (m < 2.0**122)
+        assert np.all((ms[mid] >= 1) & (ms[mid] < 2)) and np.all(ms < 2.0**7)
+        assert float(np.float32(s.min()) * np.float32(1 / np.sqrt(1024))) >= 2.0**-126
+        with self.assertRaisesRegex(ValueError, "max_exponent"):
+            quant.pow2_prescale(jnp.ones(2), 127)
 
     @parameterized.parameters("per_head", "per_token")
     def test_token_norm_matches_float64_at_any_scale(self, gran):
