@@ -22,8 +22,9 @@ and the key tile held as [W, G] (3,048 at 168 registers; 0.087 / 0.313 ms at 32K
 43% / 47% of the copy rate, session 18; see ``_encode_key_head``), then the norm's squares
 added by explicit ``fma.rn`` (JAX's Triton contracts nothing: 2,880 -> 2,832 instructions
 in the device's own SASS; 0.0870 / 0.3136 -> 0.0862 / 0.3098 ms, session 20), then keys
-divided as (y s) * 1 / (d s) with the norm's own scaled tile and a 128-register cap (8
-programs an SM instead of 6; 0.0853 / 0.3033 ms, 44% / 49%, session 21).
+divided as (y s) * 1 / (d s) with the norm's own scaled tile, the rotation's 1/sqrt(D)
+joined to s, and a 128-register cap (8 programs an SM instead of 6; 0.0835 / 0.3005 ms,
+45% / 49.7%, session 21).
 
 Per group of G tokens, the tile is read as D/W chunks of W = min(P, Gv) channels (P =
 D*bits/8 channels per packed plane, Gv the value group), rotated by
