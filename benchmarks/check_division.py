@@ -8,8 +8,9 @@ compares them with ``div.rn.f32`` bit for bit in Pallas kernels: the level divis
 every non-negative float32 (all 2^31 bit patterns with the sign bit clear: zeros,
 subnormals, normals, inf and NaNs; NaN against NaN counts as equal), the reciprocal for
 every positive finite float16 (the scales it is used on) and every bfloat16 in
-[2^-100, 2^124) (the stored 16-bit norms after ``quant.prescaled_reciprocal``'s
-prescaling), and prints the mismatches.
+[2^-100, 2^124) (which holds every stored 16-bit norm times its power-of-two prescale,
+the divisor of ``quant.scaled_reciprocal``: [2^-23, 2^7 sqrt(n)]), and prints the
+mismatches.
 Needs a GPU::
 
     PYTHONPATH=. python3 benchmarks/check_division.py [--what levels|rcp|all]
