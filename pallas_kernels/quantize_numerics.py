@@ -122,40 +122,48 @@ def _div_levels(a, levels: int, spec):
     return out
 
 
-def _codes(v, levels: int, spec, below=None):
+def _codes(a, inv, levels: int, spec, below=None):
     """``below << nbits | code`` in the low bits (int32; higher bits are garbage on the GPU,
-    cut off by the uint8 store), code = round_half_even(clip(v, 0, levels)), NaN -> 0:
+    cut off by the uint8 store), code = round_half_even(clip(a inv, 0, levels)), NaN -> 0:
     the reference's ``clip(round(where(isnan(v), 0, clip(v, -1, levels + 1))), 0,
-    levels)`` (equal for every v: the clip bounds are integers, rounding is monotonic).
-    A byte's planes are packed from the highest down: ``below`` is the higher planes.
+    levels)`` of v = a inv (equal for every v: the clip bounds are integers, rounding is
+    monotonic). A byte's planes are packed from the highest down: ``below`` is the higher
+    planes; ``inv`` [.., 1] or a's shape.
 
-    On the GPU one inline-PTX instance per element: ``max.f32`` (it returns the non-NaN
-    operand: NaN -> 0), ``min.f32``, the magic-number add 1.5 * 2^23 (its round-to-
-    nearest-even leaves the integer in the low 22 mantissa bits) and one shift-add of
-    the higher planes onto those bits (the magic number's bits only carry upwards):
-    no quarter-rate ``cvt`` conversions, no masking.
+    On the GPU one inline-PTX instance per element, with f = inv 2^-nbits (exact: a power
+    of two): ``mul.rn.sat.f32`` t = a f, which is RN(v) 2^-nbits clamped to [0, 1] (NaN
+    -> 0) by the multiply's own saturation, ``min.f32`` with levels 2^-nbits, the magic-
+    number add 1.5 * 2^(23 - nbits) (its round-to-nearest-even rounds t to a multiple of
+    2^-nbits and leaves RN(v) in the low mantissa bits) and one shift-add of the higher
+    planes onto those bits (the magic number's bits only carry upwards): no quarter-rate
+    ``cvt`` conversions, no masking, no separate clip at 0 (one instruction an element
+    fewer than max, min, add). f is exact while inv >= 2^(nbits - 126), i.e. for scales
+    up to 2^(126 - nbits) (groups spanning less than ~6e37 at 2 bits); beyond, f is
+    subnormal and a code within an ulp of a rounding tie may round the other way.
     """
     nbits = levels.bit_length()
     if spec.interpret:
+        v = a * inv
         v = jnp.clip(jnp.where(v != v, 0.0, v), 0.0, float(levels))
         code = jnp.round(v).astype(jnp.int32)
         return code if below is None else (below << nbits) | code
+    f = jnp.broadcast_to(inv * np.float32(2.0**-nbits), a.shape)
     lines = [
         "{",
         ".reg .f32 t;",
-        "max.f32 t, $1, 0f00000000;",
-        f"min.f32 t, t, {ptx_f32(levels)};",
-        "add.rn.f32 t, t, 0f4B400000;",
+        "mul.rn.sat.f32 t, $1, $2;",
+        f"min.f32 t, t, {ptx_f32(levels * 2.0**-nbits)};",
+        f"add.rn.f32 t, t, {ptx_f32(1.5 * 2.0 ** (23 - nbits))};",
     ]
     if below is None:
         lines.append("mov.b32 $0, t;")
-        args, cons = [v], "=r,f"
+        args, cons = [a, f], "=r,f,f"
     else:
-        lines += [".reg .b32 u;", "mov.b32 u, t;", f"mad.lo.u32 $0, $2, {1 << nbits}, u;"]
-        args, cons = [v, below], "=r,f,r"
+        lines += [".reg .b32 u;", "mov.b32 u, t;", f"mad.lo.u32 $0, $3, {1 << nbits}, u;"]
+        args, cons = [a, f, below], "=r,f,f,r"
     (out,) = plgpu.elementwise_inline_asm(
         "\n".join([*lines, "}"]), args=args, constraints=cons, pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(v.shape, jnp.int32)],
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.int32)],
     )  # fmt: skip
     return out
 
@@ -168,7 +176,7 @@ def _quantize(y, mn, mx, spec, below=None):
     zero = mn.astype(spec.cfg.scale_dtype)
     s32, z32 = scale.astype(jnp.float32), zero.astype(jnp.float32)
     inv = _inv_scale(s32, spec)
-    return scale, zero, _codes((y - z32) * inv, levels, spec, below)
+    return scale, zero, _codes(y - z32, inv, levels, spec, below)
 
 
 def _row_max_abs(ys):
