@@ -141,7 +141,8 @@ def scaled_reciprocal(d: Array, s: Array, div=jnp.divide) -> Array:
     return jnp.where(ok, div(jnp.ones_like(ds), jnp.where(ok, ds, 1.0)), 0.0)
 
 
-NORM_MAX_EXPONENT = 121  # the token norm's prescale s >= 2**-121: s / sqrt(b) stays normal
+# Token norms' prescale s >= 2**-121 (their bits depend on it only for max |x| >= 2**122).
+NORM_MAX_EXPONENT = 121
 
 
 def pow2_prescale(m: Array, max_exponent: int = 126) -> tuple[Array, Array]:
@@ -149,9 +150,9 @@ def pow2_prescale(m: Array, max_exponent: int = 126) -> tuple[Array, Array]:
     [-126, max_exponent], so x * s (|x| <= m) lies in (-4, 4) for max_exponent = 126 (in
     (-2**(128 - max_exponent), ..) in general) and both scalings are exact. Read from
     m's exponent bits: no division, the same bits on every backend (the Pallas encoder
-    calls this too); a subnormal m takes e = -126. Token norms take ``NORM_MAX_EXPONENT``,
-    so that s times a Hadamard's 1 / sqrt(b) (b <= 1024) is a normal float: the encoder
-    multiplies a rotated key by the two at once."""
+    calls this too); a subnormal m takes e = -126. Token norms take ``NORM_MAX_EXPONENT``
+    (set when the Pallas encoder multiplied a key by s and a Hadamard's 1 / sqrt(b) at
+    once, which needed s / sqrt(b) normal)."""
     if not -126 <= max_exponent <= 126:
         raise ValueError(f"{max_exponent=} must be in [-126, 126]")
     bits = jax.lax.bitcast_convert_type(m.astype(jnp.float32), jnp.int32)

@@ -24,7 +24,10 @@ added by explicit ``fma.rn`` (JAX's Triton contracts nothing: 2,880 -> 2,832 ins
 in the device's own SASS; 0.0870 / 0.3136 -> 0.0862 / 0.3098 ms, session 20), then keys
 divided as (y s) * 1 / (d s) with the norm's own scaled tile, the rotation's 1/sqrt(D)
 joined to s, and a 128-register cap (8 programs an SM instead of 6; 0.0835 / 0.3005 ms,
-45% / 49.7%, session 21).
+45% / 49.7%, session 21), then the codes' clip at 0 done by the multiply's saturation
+(2,631 instructions) and the norm without a prescale where no square can overflow or
+underflow, the prescaled way only in a branch for tiles that need it (``head_norms``:
+2,394 on the direct path; 0.0712 / 0.2620 ms, 52% / 57% of the copy rate, session 22).
 
 Per group of G tokens, the tile is read as D/W chunks of W = min(P, Gv) channels (P =
 D*bits/8 channels per packed plane, Gv the value group), rotated by
@@ -36,7 +39,8 @@ programs were measured slower (0.331 vs 0.249 ms at 32K tokens, H200) at the sam
 register count.
 
 Numerics follow ``encode_keys_xla`` / ``encode_values_xla``: overflow-safe norm
-(``codec.token_norm_and_prescale``: a power-of-two prescale s, exact), division by the
+(``codec.token_norm_and_prescale``: a power-of-two prescale s, exact; the kernel skips
+s where it cannot change a bit, see ``head_norms``), division by the
 *stored* norm d as (y s) * ``quant.scaled_reciprocal`` (one IEEE-rounded 1 / (d s) per
 token, as the reference does; y s is the norm's own scaled tile), min/max per group, codes from
 the *stored* (rounded) scale/zero times the inverse scale, round half to even,
@@ -231,6 +235,32 @@ def _kernel(*refs, spec: _Spec):
         n = jnp.where(m > 0, jnp.sqrt(sumsq) * inv, 0.0).astype(norm_dt)
         return n, _recip(n.astype(jnp.float32), sc, spec)
 
+    def prescaled_norms(ys):  # the reference's way: a power-of-two prescale from max |y|
+        m = _row_max_abs(ys)
+        sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0), quant.NORM_MAX_EXPONENT)
+        sumsq, zs = _row_sumsq(ys, sc, spec)  # zs = ys * sc
+        return (*stored_norm(m, sumsq, sc, inv), zs)
+
+    def head_norms(ys):
+        """(stored norm, r, keys to multiply by r) of one head's rotated [W, G] tile ys.
+
+        Most tokens need no prescale: their sum of squares is in [2^-60, 2^60], so no
+        square overflows and only elements below 2^-63 (2^-60 times smaller than the
+        norm) square to subnormals. Then sqrt(sum(y^2)) and y * RN(1 / n) are the bits of
+        the prescaled sqrt(sum((y s)^2)) / s and (y s) * RN(1 / (n s)) (s a power of
+        two). A tile with any other token (a sum of 0 too: a zero key and a tiny one
+        that underflowed look alike) takes the prescaled path in a branch, so that the
+        common case spends no max |y| an element (session 22)."""
+        sumsq, _ = _row_sumsq(ys, None, spec)
+        ok = (sumsq >= 2.0**-60) & (sumsq <= 2.0**60)
+
+        def direct():
+            n = jnp.sqrt(sumsq).astype(norm_dt)
+            return n, _recip(n.astype(jnp.float32), jnp.ones_like(sumsq), spec), ys
+
+        all_ok = jnp.min(jnp.where(ok, 1, 0)) > 0  # (Pallas-Triton lowers no reduce_and)
+        return jax.lax.cond(all_ok, direct, lambda: prescaled_norms(ys))
+
     def one_group(i):
         t0 = (blk * gpb + i) * g
 
@@ -238,19 +268,9 @@ def _kernel(*refs, spec: _Spec):
         def _():
             if not per_token:
                 den = None
-                # The Hadamard's 1/sqrt(D) joins the norm's prescale: one multiply an element
-                # (max |RN(a c)| = RN(max |a| c), and RN(RN(a c) s) = RN(a (c s)) for s a
-                # power of two, so the bits are those of rotate-then-scale).
-                fold = cfg.token_scaling and cfg.rotate_keys and spec.rot_scale is not None
-                ys = rotated_chunks(
-                    k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec, True, scale=not fold
-                )
+                ys = rotated_chunks(k_ref, mat_ref, b, hb, t0, cfg.rotate_keys, spec, True)
                 if cfg.token_scaling:
-                    c = spec.rot_scale if fold else None
-                    m = _row_max_abs(ys) if c is None else _row_max_abs(ys) * c
-                    sc, inv = quant.pow2_prescale(jnp.where(m > 0, m, 1.0), quant.NORM_MAX_EXPONENT)
-                    sumsq, ys = _row_sumsq(ys, sc if c is None else sc * c, spec)  # ys * sc
-                    n, r = stored_norm(m, sumsq, sc, inv)
+                    n, r, ys = head_norms(ys)
                     den = (None, r)
                     kn_ref[b, hb, pl.ds(t0, g)] = n
                 _encode_key_head(k_ref, mat_ref, (kc, ks, kz), b, hb, t0, den, spec, ys)

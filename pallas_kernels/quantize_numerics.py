@@ -201,15 +201,15 @@ def _recip(d, sc, spec):
 
 def _row_sumsq(ys, sc, spec):
     """(sum((y s)^2) per token over the [W, G] key chunks ys, the chunks y s), s = ``sc``
-    [G] (the power of two of ``quant.pow2_prescale``; the chunks' squares summed element-
-    wise first, in chunk order): the reference's norm is sqrt(sum) / s, and its keys over
-    the norm (y s) * ``_recip``, so the scaled chunks serve both. On the GPU each square
-    is added by one ``fma.rn`` (JAX's Triton does not contract a multiply and an add by
-    itself): the sum may differ from the reference's in its last bit, as the reduction
-    order already lets it."""
+    [G] (the power of two of ``quant.pow2_prescale``) or None (s = 1: the kernel's direct
+    path); the chunks' squares summed element-wise first, in chunk order. The reference's
+    norm is sqrt(sum) / s, and its keys over the norm (y s) * ``_recip``, so the scaled
+    chunks serve both. On the GPU each square is added by one ``fma.rn`` (JAX's Triton
+    does not contract a multiply and an add by itself): the sum may differ from the
+    reference's in its last bit, as the reduction order already lets it."""
     acc, zs = None, []
     for y in ys:
-        z = y * sc[None, :]
+        z = y if sc is None else y * sc[None, :]
         zs.append(z)
         if acc is None:
             acc = z * z

@@ -51,12 +51,10 @@ def butterflies(zs: list) -> list:
     return zs
 
 
-def rotated_chunks(
-    ref, mat_ref, b, h, t0, rotate: bool, spec, transpose: bool = False, *, scale: bool = True
-):
+def rotated_chunks(ref, mat_ref, b, h, t0, rotate: bool, spec, transpose: bool = False):
     """The G x D tile of head h, rotated, as D/W f32 chunks of W channels each: [G, W],
     or with ``transpose`` [W, G] (the dots then compute F^T X^T, F^T read from the
-    operand's second half). ``scale=False`` leaves a Hadamard's 1/sqrt(b) to the caller.
+    operand's second half).
 
     Hadamard rotations use H_D = H_(D/W) (x) H_W: one [G, W] x [W, W] tensor-core dot
     per chunk (with the chunk's signs folded into its factor), then butterflies across
@@ -96,4 +94,4 @@ def rotated_chunks(
             acc = acc + mm(part, m)
         zs.append(acc)
     zs = butterflies(zs)
-    return [z * spec.rot_scale for z in zs] if scale else zs
+    return [z * spec.rot_scale for z in zs]

@@ -191,6 +191,22 @@ class TestQuantizeKernelGPU:
         assert cd.rcp_mismatches(cd.float16s())[0] == 0
         assert cd.rcp_mismatches(cd.prescaled_bfloat16s())[0] == 0
 
+    @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+    def test_extreme_token_norms_match_xla(self, dtype):
+        """Tokens whose squares overflow (|k| ~ 1e25) or underflow (~1e-25) float32 take
+        the kernel's prescaled branch (its direct sum of squares would give an inf or 0
+        norm); a zero token and whole ordinary groups take the direct one."""
+        cfg = oj.preset("oscar", bits=2, group_size=32)
+        k, v = head_major_kv(17, 2, 128, 2, 128, jnp.float32)
+        k = k.at[0, 0, 3].multiply(1e25).at[0, 1, 40].multiply(1e-25).at[1, 0, 70].set(0.0)
+        k = k.at[1, 1, 100].multiply(2e8)  # a sum of squares above 2^60, still finite
+        k, v = k.astype(dtype), v.astype(dtype)
+        got = self.encode(k, v, cfg)
+        ref = (oj.encode_keys_xla(k, cfg), oj.encode_values_xla(v, cfg))
+        self.check(got, ref, cfg)
+        norms = np.asarray(got[0].norm, np.float32)
+        assert np.all(np.isfinite(norms)) and norms[1, 0, 70] == 0 and norms[0, 1, 40] > 0
+
     def test_degenerate_groups_no_nan(self):
         cfg = oj.preset("oscar", bits=2)
         k, v = head_major_kv(5, 1, 64, 2, 64, jnp.bfloat16)
