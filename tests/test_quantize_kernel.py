@@ -195,7 +195,7 @@ class TestQuantizeKernelGPU:
     def test_extreme_token_norms_match_xla(self, dtype):
         """Tokens whose squares overflow (|k| ~ 1e25) or underflow (~1e-25) float32 take
         the kernel's prescaled branch (its direct sum of squares would give an inf or 0
-        norm); a zero token and whole ordinary groups take the direct one."""
+        norm), so does a zero token's tile; the ordinary tiles take the direct path."""
         cfg = oj.preset("oscar", bits=2, group_size=32)
         k, v = head_major_kv(17, 2, 128, 2, 128, jnp.float32)
         k = k.at[0, 0, 3].multiply(1e25).at[0, 1, 40].multiply(1e-25).at[1, 0, 70].set(0.0)
