@@ -10,9 +10,9 @@ Timing is device-side: a loop of ``reps`` iterations inside one jit, each iterat
 (T(reps) - T(1)) / ((reps - 1) * unroll), which removes the host dispatch; the median
 over ``calls`` host calls of each is used. Unrolling matters at small shapes: an XLA
 GPU while loop costs ~10-20 us per iteration (the trip predicate goes to the host), as
-much as a 1 x 4K call; ``--unroll 1`` is the pre-2026-11-30 harness.
+much as a 1 x 4K call; ``--unroll 1`` times one call per iteration.
 
-    PYTHONPATH=. python benchmarks/bench_decode.py --out /tmp/bench [--check] \
+    python3 -m benchmarks.bench_decode --out out/decode [--check] \
         [--variants '[{"block_tokens":128,"num_warps":4}]'] [--shapes 1x131072,8x32768]
 """
 
@@ -28,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import oscar_jax as oj
-import pallas_kernels  # noqa: F401  (registers implementation="pallas")
-from pallas_kernels import decode_config as pcfg
+from pallas_kernels.decode import config as pcfg
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = ((1, 131072), (8, 32768), (48, 4096), (1, 4096))
@@ -85,7 +84,7 @@ def make_inputs(b: int, ctx: int, seed: int = 0):
 
 def int2_bytes(cache) -> int:
     """Bytes the INT2 path reads: quantized part up to nq per row + the whole ring + q."""
-    per_q, _ = oj.cache._per_token_bytes(cache)
+    per_q, _ = oj.cache.bytes_per_token(cache)
     nq = np.asarray(cache.num_quantized(), np.int64)
     ring = cache.k_res.size * cache.k_res.dtype.itemsize * 2
     return int(np.sum(nq) * per_q + ring)
@@ -135,7 +134,7 @@ def run_shape(b, ctx, args, log):
                 (cv,),
             )
             res[name] = dict(ms=t * 1e3, bytes=int2_bytes(cv), opts=ov)
-            if args.check and not ov.get("ablate"):
+            if args.check:
                 out = oj.decode_attention(q, cv, implementation="pallas", **ov)
                 ref = oj.decode_attention(q, cv).astype(jnp.float32)
                 err = jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))
@@ -272,7 +271,7 @@ def render_saved(paths, out):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default="out/decode")
     ap.add_argument("--shapes", default=",".join(f"{b}x{c}" for b, c in SHAPES))
     ap.add_argument("--variants", default="",
                     help="JSON list of INT2 option dicts (decode options; 'param_dtype' picks "

@@ -1,12 +1,13 @@
-"""End-to-end decode speed and memory of the full models on one GPU (issue #7).
+"""End-to-end decode speed and memory of the full models on one GPU.
 
 Pseudo-random bf16 weights of the real shapes (Llama-3.1-8B, Qwen3-8B: all layers,
 projections, MLPs, logits; nothing downloaded), caches selected by preset and attention
 kernel (``--caches bf16,oscar2``: BF16 and OScaR INT2, with ``--impl``, default our Pallas
 kernels; ``bf16:cudnn`` / ``bf16:xla`` add other BF16 attentions, the fastest BF16 one is
-compared). The decode program is ``models.generate``'s per-step ``_decode`` (all layers,
-unrolled over per-layer caches, greedy sampling) in a device loop over caches filled to the
-context (see ``e2e_fill``): no long forward pass except in ``prefill32k``. The weights are
+compared). The decode program is ``models.decode_forward``, the step ``models.generate``
+runs (all layers, unrolled over per-layer caches, greedy sampling), in a device loop over
+caches filled to the context (see ``e2e_fill``): no long forward pass except in
+``prefill32k``. The weights are
 in the per-layer form (a tuple of layer dicts, each its own buffers) that the step reads in
 place; ``prefill32k``'s forward runs the layers in a Python loop over them.
 
@@ -28,33 +29,31 @@ Workloads (``--workloads``, run in the given order; ``--budget-s`` skips the res
   (``oscar_jax.prefill``: quantization for INT2) per cache and encoder (``--prefill-
   encode-impls``); prefill cost = forward + fill.
 
-    PYTHONUNBUFFERED=1 python3 benchmarks/bench_e2e.py --out /tmp/e2e --budget-s 200
-    python3 benchmarks/bench_e2e.py --tiny --out /tmp/e2e_tiny      # CPU smoke run
+    PYTHONUNBUFFERED=1 python3 -m benchmarks.bench_e2e --out out/e2e --budget-s 200
+    python3 -m benchmarks.bench_e2e --tiny --out out/e2e_tiny      # CPU smoke run
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # before JAX starts
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the repo root and benchmarks/
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import time  # noqa: E402
 
-import e2e_common as ec  # noqa: E402
-import e2e_fill as ef  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_decode import copy_bandwidth  # noqa: E402
-from e2e_report import Runner, e2e_summary  # noqa: E402
 
+import models  # noqa: E402
 import oscar_jax as oj  # noqa: E402
+from benchmarks import e2e_common as ec  # noqa: E402
+from benchmarks import e2e_fill as ef  # noqa: E402
+from benchmarks.bench_decode import copy_bandwidth  # noqa: E402
+from benchmarks.e2e_report import Runner, e2e_summary  # noqa: E402
 from models import layers, memory  # noqa: E402
 
 FULL = dict(lat32k=(1, 32768), lat128k=(1, 131072), tp48x4k=(48, 4096), tpmax32k=(None, 32768),
@@ -84,7 +83,7 @@ class Bench:
         self.cfg, self.name = cfg, name
         t = time.perf_counter()
         self.params = ef.random_params(cfg, ec.param_shardings(cfg, device=self.dev), a.seed)
-        if a.params_layout == "stacked":  # the old layout (A/B): the step slices each layer
+        if a.params_layout == "stacked":  # stacked [L, ...] (A/B): the step slices each layer
             per, self.params = self.params["layers"], layers.stack_layers(self.params)
             ef.delete(per)  # the per-layer copies (embedding, norm, head are shared)
         jax.block_until_ready(self.params)
@@ -261,7 +260,7 @@ class Bench:
             one = jax.eval_shape(functools.partial(
                 oj.init_cache, spec.kv, batch=1, max_len=ctx, num_kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim))  # fmt: skip
-            per_q, per_r = oj.cache._per_token_bytes(one)
+            per_q, per_r = oj.cache.bytes_per_token(one)
             nq = int(oj.cache.quantized_count(np.int64(ctx), spec.kv))
             stored = cfg.num_layers * (nq * per_q + (ctx - nq) * per_r)
             out[str(ctx)] = dict(
@@ -335,14 +334,14 @@ class Bench:
                     cache_bytes=nbytes, **cinfo)  # fmt: skip
 
 
-def decode_carry_only(st: ec.gen.Static, params, caches, tok, pos):
-    """Breakdown variant of ``generate._decode`` (no mesh): no append and no attention; the
+def decode_carry_only(st: models.Static, params, caches, tok, pos):
+    """Breakdown variant of ``models.decode_forward`` (no mesh): no append and no attention; the
     per-layer caches pass through the step untouched (what carrying them costs)."""
     mc = st.model
     b = tok.shape[0]
     x = layers.embed(params, tok[:, None])
     for i in range(len(caches)):
-        lp = ec.gen.layer_params(params, i, after=x)
+        lp = models.layer_params(params, i, after=x)
         hn = layers.rms_norm(x, lp["attn_norm"], mc.rms_norm_eps)
         q, _, _ = layers.qkv(mc, lp, hn, pos[:, None])
         x = x + layers.dense(q.reshape(b, 1, mc.q_size).astype(x.dtype), lp["wo"], lp.get("bo"))
@@ -390,7 +389,7 @@ def parse_args(argv=None):
     ap.add_argument("--impl", default=None, help="kernel of caches without one (pallas; tiny: xla)")
     ap.add_argument("--encode-impl", default=None,
                     help="decode-time cache writes: pallas (one fused launch per layer, "
-                    "measured faster on the H200; tiny: xla) or xla")  # fmt: skip
+                    "faster on the H200; tiny: xla) or xla")  # fmt: skip
     ap.add_argument("--prefill-encode-impls", type=_list, default=None, help="xla,pallas")
     ap.add_argument("--prompt-attention", type=_list, default=["auto"],
                     help="prefill attention(s): auto (GPU: cudnn),reference,cudnn,xla")  # fmt: skip
@@ -423,10 +422,10 @@ def parse_args(argv=None):
     ap.add_argument("--resume", default="", help="earlier JSON: its ok units are kept, not re-run")
     ap.add_argument("--params-layout", default="layers", choices=("layers", "stacked"),
                     help="weights per layer (read in place) or stacked [L, ...] (sliced per "
-                    "step: the old layout, for an A/B timing)")  # fmt: skip
+                    "step, for an A/B timing)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="2-layer models, small contexts (CPU)")
-    ap.add_argument("--out", default="benchmarks/results/e2e")
+    ap.add_argument("--out", default="out/e2e")
     args = ap.parse_args(argv)
     bad = [w for w in args.workloads if w not in ORDER]
     if bad:

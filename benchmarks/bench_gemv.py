@@ -13,23 +13,19 @@ occupies few SMs. Variants (``models.layers.dense`` is the "einsum" row):
 
 Device-side timing as ``bench_decode.device_time`` (chained calls inside one jit).
 
-    PYTHONPATH=. python benchmarks/bench_gemv.py --out $OUT/gemv [--rows 1,48]
+    python3 -m benchmarks.bench_gemv --out out/gemv [--rows 1,48]
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the repo root and benchmarks/
-
 import argparse  # noqa: E402
 import json  # noqa: E402
+import os
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from bench_decode import copy_bandwidth, device_time  # noqa: E402
+
+from benchmarks.bench_decode import copy_bandwidth, device_time  # noqa: E402
 
 HIGHEST = jax.lax.Precision.HIGHEST
 F32 = jnp.float32
@@ -67,7 +63,7 @@ def variant(name: str):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/gemv")
+    ap.add_argument("--out", default="out/gemv")
     ap.add_argument("--rows", default="1")
     ap.add_argument("--variants", default="einsum,default,transposed,split4,split8,split16")
     ap.add_argument("--reps", type=int, default=20)

@@ -1,6 +1,6 @@
 """Fused Pallas encoder vs the XLA path: correctness on the device and device-side timing.
 
-    PYTHONPATH=. python benchmarks/bench_quantize.py --check --bench --out DIR
+    python3 -m benchmarks.bench_quantize --check --bench --out out/quantize
 
 ``--check`` compiles the kernel for a representative set of configs and compares it
 with ``encode_keys_xla`` / ``encode_values_xla`` run on the same device (code
@@ -20,18 +20,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import oscar_jax as oj  # noqa: E402
+from benchmarks.profile_decode import profile  # noqa: E402
 from oscar_jax import hadamard  # noqa: E402
-from pallas_kernels import quantize as qk  # noqa: E402
+from pallas_kernels.quantize import triton as qk  # noqa: E402
 
 
 def make_kv(key, shape, dtype):
@@ -139,10 +137,9 @@ def chain_fn(enc):
 
     Each iteration passes k, v and the previous output through an
     ``optimization_barrier`` and encodes k, v again; the output is the loop's carry, so
-    XLA computes every encode whole. (Until 2026-12-01 each encode added 1e-30 x a code of
-    the previous output to one key instead, and XLA rewrote all of k every encode: a
-    ``loop_dynamic_update_slice_fusion`` of 41 us at 32K tokens and 160 us at 128K on the
-    H200, counted as encode time. Unrolled encodes inside one iteration are no remedy:
+    XLA computes every encode whole. (Feeding a code of the previous output into one key
+    instead makes XLA rewrite all of k every encode, a ``loop_dynamic_update_slice_fusion``
+    that would count as encode time. Unrolled encodes inside one iteration are no remedy:
     XLA drops the barriers and merges the identical encodes.)
     """
 
@@ -178,10 +175,7 @@ def kernel_time(fn, args, calls=10, warm_s=0.3) -> tuple[float, dict[str, float]
     and host dispatch excluded) and each kernel's median microseconds per call
     (``profile_decode.profile``: a profiler trace of ``calls`` separate jitted calls);
     (nan, {}) without a GPU. The function first runs for ``warm_s`` seconds, a guard
-    against a clock still ramping after a compile (on the H200, 0 / 0.3 / 1.0 s gave the
-    same figures within 1%: benchmarks/results/h200/s19/r3)."""
-    from benchmarks.profile_decode import profile
-
+    against a clock still ramping after a compile."""
     fn = jax.jit(fn)
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < warm_s:
@@ -193,14 +187,14 @@ def kernel_time(fn, args, calls=10, warm_s=0.3) -> tuple[float, dict[str, float]
 VARIANTS = {  # name -> encode options (None: the XLA path; "dense": XLA, matmul rotation)
     "xla": None,
     "xla dense": "dense",
-    "pallas": {},  # the defaults of ``quantize.encode``
+    "pallas": {},  # the defaults of ``pallas_kernels.quantize.triton.encode``
     "pallas fastdiv": dict(exact_division=False),
 }
 _KNOBS = {"gpb": "groups_per_block", "w": "num_warps", "s": "num_stages", "r": "max_registers"}
 
 
 def variant_options(name: str):
-    """Encode options of a variant: a VARIANTS name, or "pallas" followed by knobs
+    """Encode options of a variant: a VARIANTS name, or "pallas" (or "triton") followed by knobs
     such as ``gpb4 w2 s2 r144`` (groups per block, warps, stages, register cap; ``r0``: none) and
     ``fastdiv``."""
     if name in VARIANTS:
@@ -215,7 +209,7 @@ def variant_options(name: str):
             opts[_KNOBS[key]] = int(num) if knob != "r0" else None  # r0: no register cap
         else:
             head = None
-    if head != "pallas":
+    if head not in ("pallas", "triton"):
         raise ValueError(f"variant {name!r} must be one of {list(VARIANTS)} or 'pallas gpb4 w2 s2'")
     return opts
 
@@ -275,7 +269,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--bench", action="store_true")
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--out", default="out/quantize")
     ap.add_argument("--tokens", default="32768,131072", help="comma-separated prefill lengths")
     ap.add_argument(
         "--variants",

@@ -1,4 +1,4 @@
-"""Sharded decoding on several GPUs against one (issue #10).
+"""Sharded decoding on several GPUs against one.
 
 Llama-3.1-8B-shaped pseudo-random bf16 weights, the ``bf16`` and OScaR INT2 caches, the
 mesh support of ``models.generate`` (axes data / model / sequence, ``models.sharding``).
@@ -24,8 +24,8 @@ N = all visible devices (``--devices``). Meshes: ``seq`` (1, 1, N), ``model`` (1
 * ``tp48x4k``: tokens/s at batch 48 x 4K on ``--tp-meshes`` (default 1gpu,data,model).
 * ``tpmax32k``: tokens/s at the largest batch that fits at 32K on ``--tpmax-meshes``.
 
-    NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 python3 benchmarks/bench_sharded.py --out /tmp/sh
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python3 benchmarks/bench_sharded.py --tiny
+    NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 python3 -m benchmarks.bench_sharded --out out/sharded
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python3 -m benchmarks.bench_sharded --tiny
 """
 
 from __future__ import annotations
@@ -37,22 +37,21 @@ if os.environ.get("NCCL_NVLS_ENABLE", "0") != "0":
     sys.exit("NCCL_NVLS_ENABLE must be 0 (NVLink multicast stays off on these machines)")
 os.environ["NCCL_NVLS_ENABLE"] = "0"
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.94")  # before JAX starts
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the repo root and benchmarks/
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import time  # noqa: E402
 
-import e2e_common as ec  # noqa: E402
-import e2e_fill as ef  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from e2e_report import Runner, sharded_summary  # noqa: E402
 from jax.sharding import Mesh, SingleDeviceSharding  # noqa: E402
-from sharded_check import CheckUnits  # noqa: E402
 
+import models  # noqa: E402
+from benchmarks import e2e_common as ec  # noqa: E402
+from benchmarks import e2e_fill as ef  # noqa: E402
+from benchmarks.e2e_report import Runner, sharded_summary  # noqa: E402
+from benchmarks.sharded_check import CheckUnits  # noqa: E402
 from models import layers, memory  # noqa: E402
 from models import sharding as msh  # noqa: E402
 
@@ -116,7 +115,7 @@ class Bench(CheckUnits):
         st = ec.static(self.cfg, spec.kv, ctx, spec.impl, self.a.encode_impl, mesh=mesh,
                        dtype=self.dtype)  # fmt: skip
         if mesh is not None:
-            ec.gen._check_mesh(self.cfg, spec.kv, mesh, st.axes, batch, ctx, spec.impl)
+            models.check_mesh(self.cfg, spec.kv, mesh, st.axes, batch, ctx, spec.impl)
         cabs = ef.abstract_caches(
             self.cfg, spec.kv, batch, ctx, mesh=mesh, device=self.dev0, dtype=self.dtype
         )
@@ -387,7 +386,7 @@ def parse_args(argv=None):
         "(jax 0.11.2, GPU, bf16 cache)",
     )  # fmt: skip
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/sharded")
+    ap.add_argument("--out", default="out/sharded")
     a = ap.parse_args(argv)
     bad = [w for w in a.workloads if w not in ORDER]
     if bad:

@@ -1,6 +1,6 @@
 """Exhaustive GPU checks of the quantize kernel's divisions without ``div.rn``.
 
-The fused encoder (``pallas_kernels.quantize_numerics``) divides a group's range by
+The fused encoder (``pallas_kernels.quantize.numerics``) divides a group's range by
 ``levels`` (3 at 2 bits, 15 at 4 bits) with Markstein's correction step
 (``markstein_div_asm``) and inverts float16 scales with one Newton step from
 ``rcp.approx`` (``newton_rcp_asm``), both instead of ``div.rn.f32``. This script
@@ -13,7 +13,7 @@ the divisor of ``quant.scaled_reciprocal``: [2^-23, 2^7 sqrt(n)]), and prints th
 mismatches.
 Needs a GPU::
 
-    PYTHONPATH=. python3 benchmarks/check_division.py [--what levels|rcp|all]
+    python3 -m benchmarks.check_division [--what levels|rcp|all]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.quantize_numerics import markstein_div_asm, newton_rcp_asm, ptx_f32
+from pallas_kernels.quantize.numerics import markstein_div_asm, newton_rcp_asm, ptx_f32
 
 BLOCK = 1 << 16  # bit patterns per program
 

@@ -11,7 +11,7 @@ output array) the results of:
 * ``decode_attention``: ``oj.decode_attention`` after the prefill and after every
   append (all outputs);
 * ``generate``: ``models.generate`` (greedy, ``implementation`` and
-  ``encode_implementation`` both set) on a tiny random model: tokens and the info;
+  the encoder and cache write with it) on a tiny random model: tokens and the info;
 * ``step_logits``: ``models.prefill`` + ``models.decode_step`` logits (float32),
   which would show a last-bit difference that greedy tokens hide.
 
@@ -23,8 +23,8 @@ fixed seeds in every run and hashed too (``inputs``), so a difference is in the
 computation, not the data. ``--ops`` picks a subset of the outputs. Exit status 1
 if any hash differs.
 
-    python benchmarks/determinism.py --subprocess --out benchmarks/results/determinism_cpu
-    python benchmarks/determinism.py --gpu-sizes --recompile --subprocess --out $OUT/det_h200
+    python3 -m benchmarks.determinism --recompile --subprocess --out out/determinism_cpu
+    python3 -m benchmarks.determinism --gpu-sizes --recompile --out out/determinism_h200
 
 Sizes: ``cpu`` (default, < 60 s on 2 CPU cores), ``tiny`` (the test), ``gpu`` (batch 4,
 4096-token prompts, 8 KV heads, 32 query heads, head_dim 128; a 4-layer model).
@@ -42,7 +42,13 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import models
+import oscar_jax as oj
 
 SIZES = {
     "tiny": dict(batch=2, prompt=70, appends=30, kv_heads=1, q_heads=2, head_dim=64,
@@ -61,7 +67,6 @@ IMPLS = ("xla", "pallas")
 
 def digest(tree) -> str:
     """sha256 over (dtype, shape, bytes) of every leaf, in pytree order."""
-    import jax
     import numpy as np
 
     h = hashlib.sha256()
@@ -76,10 +81,6 @@ class Workload:
     """The jitted functions of one implementation (built once: runs 1 and 2 share them)."""
 
     def __init__(self, sz: dict, impl: str):
-        import jax
-        import jax.numpy as jnp
-
-        import oscar_jax as oj
 
         self.sz, self.impl = sz, impl
         self.cfg = oj.preset("oscar", bits=2, group_size=32, residual_length=sz["residual"])
@@ -97,12 +98,7 @@ class Workload:
         self.dec = jax.jit(lambda q, c: oj.decode_attention(q, c, implementation=impl))
 
     def inputs(self, model: bool = True):
-        import jax
-        import jax.numpy as jnp
         import numpy as np
-        from flax import nnx
-
-        import models
 
         sz = self.sz
         b, t, h, d = sz["batch"], sz["prompt"] + sz["appends"], sz["kv_heads"], sz["head_dim"]
@@ -127,9 +123,6 @@ class Workload:
         return dict(data, ids=ids, gen_lengths=gl), m
 
     def run(self, ops=OPS) -> dict[str, str]:
-        import numpy as np
-
-        import models
 
         out = self._cache_ops(ops)
         if "generate" not in ops and "step_logits" not in ops:
@@ -137,7 +130,7 @@ class Workload:
         data, m = self.inputs()
         out["inputs"] = digest((data, m.params()))
         kw = dict(kv=self.gen_kv, lengths=data["gen_lengths"], implementation=self.impl,
-                  encode_implementation=self.impl, stop_tokens=())  # fmt: skip
+                  stop_tokens=())  # fmt: skip
         if "generate" in ops:
             toks, info = models.generate(m, data["ids"], self.sz["gen_new"], return_info=True, **kw)
             out["generate"] = digest((toks, info))
@@ -156,7 +149,6 @@ class Workload:
         return out
 
     def _cache_ops(self, ops) -> dict[str, str]:
-        import numpy as np
 
         data, _ = self.inputs(model=False)
         k, v, q, n = data["k"], data["v"], data["q"], data["lengths"]
@@ -179,7 +171,6 @@ class Workload:
 
 def run_all(sizes: str, impls, ops=OPS, recompile: bool = False) -> list[dict]:
     """[{label, seconds, hashes: {impl: {op: sha256}}}] for the runs in this process."""
-    import jax
 
     work = {i: Workload(SIZES[sizes], i) for i in impls}
     labels = ["in-process", "in-process, same executables"]
@@ -243,7 +234,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", default=",".join(OPS), type=lambda s: tuple(s.split(",")))
     ap.add_argument("--recompile", action="store_true", help="add a run after clear_caches")
     ap.add_argument("--subprocess", action="store_true", help="add a run in a fresh process")
-    ap.add_argument("--out", default="-", help="path prefix for .json and .md ('-': stdout)")
+    ap.add_argument("--out", default="out/determinism",
+                    help="path prefix for .json and .md ('-': stdout only)")  # fmt: skip
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.gpu_sizes:
@@ -252,7 +244,6 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"{bad} must be among --impls {IMPLS} / --ops {OPS}")
     args.ops = tuple(o for o in OPS if o in ("inputs", *args.ops))
-    import jax
 
     if args.child:
         hashes = {i: Workload(SIZES[args.sizes], i).run(args.ops) for i in args.impls}
@@ -264,7 +255,7 @@ def main(argv=None) -> int:
         runs.append(child_run(args))
     dev = jax.devices()[0]
     res = dict(
-        command="python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]]),
+        command=" ".join(["python3 -m benchmarks.determinism", *sys.argv[1:]]),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), jax=jax.__version__,
         platform=dev.platform, device=f"{dev.device_kind} ({platform.machine()})",
         sizes=args.sizes, impls=list(args.impls), ops=list(args.ops), runs=runs,

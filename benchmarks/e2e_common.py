@@ -2,7 +2,7 @@
 
 * Random weights and caches of the real shapes: ``e2e_fill``.
 * Timing: one jitted program runs ``n`` (a traced scalar: one compile for every ``n``)
-  decode steps of ``models.generate``'s step (``_decode``, greedy argmax) in a loop on the
+  decode steps (``models.decode_forward``, greedy argmax) in a loop on the
   device, carrying the donated caches (one per layer, updated in place), and resets the
   lengths at the end so every call decodes at the same context. Per-step time =
   (T(n2) - T(n1)) / (n2 - n1), medians over repeats, which removes dispatch and the fixed
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import time
 
 import jax
@@ -23,14 +22,13 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+import models
 import oscar_jax as oj
-import pallas_kernels  # noqa: F401  (registers implementation="pallas")
 from models import layers
 from models import sharding as msh
 from models.config import ModelConfig, llama31_8b, qwen3_8b
 from oscar_jax import sharding as osh
 
-gen = importlib.import_module("models.generate")  # the module (models.generate is a function)
 GiB = 1024**3
 MODELS = {"llama31_8b": llama31_8b, "qwen3_8b": qwen3_8b}
 
@@ -98,18 +96,24 @@ def _cudnn_attention(q, cache, *, softmax_scale=None, **options):
     return o[:, 0].astype(q.dtype)
 
 
-oj.register_decode_attention("bench_skip", _skip_attention)
-oj.register_decode_attention("cudnn", _cudnn_attention)
+# attention baselines of the benchmarks, passed to the library as callables
+BASELINES = {"bench_skip": _skip_attention, "cudnn": _cudnn_attention}
+
+
+def attention_impl(impl):
+    """A cache spec's attention: a library backend name, or one of ``BASELINES``."""
+    return BASELINES.get(impl, impl)
 
 
 def static(cfg, kv, max_len, impl, encode_impl="xla", mesh=None, ax=osh.AXES,
-           dtype="bfloat16") -> gen.Static:  # fmt: skip
-    """``models.generate.Static`` for greedy decoding without stop tokens."""
-    return gen.Static(
+           dtype="bfloat16") -> models.Static:  # fmt: skip
+    """``models.Static`` for greedy decoding without stop tokens."""
+    be = models.Backends(attention=attention_impl(impl), encode=encode_impl,
+                         cache_write=encode_impl, prompt_attention="reference")  # fmt: skip
+    return models.Static(
         model=cfg, kv=kv, max_len=int(max_len), cache_dtype=jnp.dtype(dtype).name,
-        implementation=impl,
-        encode_implementation=encode_impl, greedy=True, top_k=None, use_top_p=False,
-        stop_tokens=(), pad_id=0, mesh=mesh, axes=ax,
+        backends=be, greedy=True, top_k=None, use_top_p=False,
+        stop_tokens=(), pad_id=0, place=models.placement(mesh, ax),
     )  # fmt: skip
 
 
@@ -131,7 +135,7 @@ def param_shardings(cfg, mesh=None, device=None):
 HISTORY = 512  # steps of per-step (argmax, top-1, top-2 logit) kept by the decode loop
 
 
-def _decode_loop(st: gen.Static, params, caches, tok, forced, n_forced, n, step=None):
+def _decode_loop(st: models.Static, params, caches, tok, forced, n_forced, n, step=None):
     """``n`` greedy decode steps (``generate``'s per-step ``_decode``); lengths reset at the end.
 
     Step i feeds ``forced[:, i]`` while i < n_forced (a prompt, or teacher forcing), else the
@@ -150,7 +154,7 @@ def _decode_loop(st: gen.Static, params, caches, tok, forced, n_forced, n, step=
         caches, tok, hist = carry
         j = jnp.minimum(i, s - 1)
         inp = jnp.where(i < n_forced, jax.lax.dynamic_index_in_dim(forced, j, 1, False), tok)
-        logits, caches = (step or gen._decode)(st, params, caches, inp, pos0 + i)
+        logits, caches = (step or models.decode_forward)(st, params, caches, inp, pos0 + i)
         nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # greedy, as generate's sampler
         top1 = jnp.max(logits, axis=-1)
         hot = jnp.arange(logits.shape[-1])[None, :] == nxt[:, None]
@@ -194,11 +198,11 @@ def forced_sharding(tok_sharding):
     return tok_sharding
 
 
-def compile_decode(st: gen.Static, params_abs, caches_abs, tok_abs, step=None):
+def compile_decode(st: models.Static, params_abs, caches_abs, tok_abs, step=None):
     """The decode loop, compiled; its outputs keep the input layout (fed back each call).
 
     Arguments: (params, caches, tok [B], forced [B, HISTORY], n_forced, n). ``step``: a
-    variant of ``generate._decode`` (breakdown).
+    variant of ``models.decode_forward`` (breakdown).
     """
     fs = forced_sharding(tok_abs.sharding)
     out_sh = (jax.tree_util.tree_map(lambda x: x.sharding, caches_abs), tok_abs.sharding,

@@ -8,7 +8,7 @@ no long forward pass).
   layer its own buffers), which the decode step reads in place. The value
   rotation is not folded: folding an orthogonal matrix into random weights gives another
   random draw, so the weights are taken as already folded (the cache config has
-  ``rotate_values=False``, as ``models.generate.prepare`` hands it).
+  ``rotate_values=False``, as ``models.prepare`` hands it).
 * Caches of any context without a long forward pass: allocated and filled on the device
   (``fill="random"``: random codes / scales / norms / ring, lengths set; ``"encode"``: the
   real ``oscar_jax.prefill`` of random K/V, layer by layer and in row chunks; ``"zeros"``:
@@ -23,10 +23,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from e2e_common import abstract
 from jax.sharding import SingleDeviceSharding
 
 import oscar_jax as oj
+from benchmarks.e2e_common import abstract
 from models import layers, memory
 from models.config import ModelConfig
 from oscar_jax import sharding as osh

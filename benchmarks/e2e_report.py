@@ -57,12 +57,12 @@ def _status(units, prefix):
     return bad[0] if bad else "ok"
 
 
-# -- issue #7 ---------------------------------------------------------------------------
+# -- end to end, one GPU -------------------------------------------------------------
 def e2e_summary(data: dict):
     units, meta = data["units"], data["meta"]
     targets = meta.get("targets", {})
     models = sorted({k.split("/")[0] for k in units})
-    head = f"# End-to-end decode (issue #7): {meta.get('device')}, jax {meta.get('jax')}, "
+    head = f"# End-to-end decode: {meta.get('device')}, jax {meta.get('jax')}, "
     summary, md = {}, [head + f"{meta.get('date')}", ""]
     bw = meta.get("copy_bytes_per_s")
     if bw:
@@ -218,7 +218,7 @@ def _skipped(units):
     return ["Not run / failed:", ""] + [f"* `{k}`: {s}" for k, s in bad] + [""]
 
 
-# -- issue #10 ----------------------------------------------------------------------------
+# -- sharded, several GPUs -----------------------------------------------------------
 def _verified(v) -> str:
     """maxctx's verification per mesh: the context that decoded, its ms per step."""
     if not isinstance(v, dict):
@@ -236,7 +236,7 @@ def _verified(v) -> str:
 def sharded_summary(data: dict):
     units, meta = data["units"], data["meta"]
     n = meta.get("num_devices")
-    md = [f"# Sharded decoding (issue #10): {n} x {meta.get('device')}, jax {meta.get('jax')}, "
+    md = [f"# Sharded decoding: {n} x {meta.get('device')}, jax {meta.get('jax')}, "
           f"{meta.get('date')}", ""]  # fmt: skip
     summary, rows = {}, []
     for k, u in units.items():

@@ -11,12 +11,12 @@ caches, an in-place update whose update is a whole layer, a fusion rewriting it,
 
 The same scan finds weight copies (``weight_shapes``): a layer sliced out of stacked
 [L, ...] params is a copy wherever it feeds a GEMM at larger batch (and on the CPU).
-From the command line, one decode step (``models.generate``'s, all layers) of a model
+From the command line, one decode step (``models.step_program``, all layers) of a model
 is compiled from abstract shapes (nothing allocated: full-size configs compile on the
 CPU) for each cache / batch / params layout, and its whole-cache and whole-weight
 writes are counted::
 
-    python3 benchmarks/hlo_copies.py --model llama31_8b --batch 1,48 --caches bf16,oscar2
+    python3 -m benchmarks.hlo_copies --model llama31_8b --batch 1,48 --caches bf16,oscar2
 """
 
 from __future__ import annotations
@@ -26,11 +26,15 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+import models
+from benchmarks import e2e_common as ec
+from models import layers, memory
 
 _BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
           "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}  # fmt: skip
@@ -178,17 +182,10 @@ def format_copies(found: list[Instr]) -> str:
 # -- command line: copies in one compiled decode step of a full-size model -------------------
 def step_copies(cfg, spec, batch: int, ctx: int, per_layer: bool, dtype: str) -> dict:
     """Compile one donated decode step from abstract shapes -> copy counts and bytes."""
-    import importlib
-
-    import jax.numpy as jnp
-
-    from models import layers, memory
-
-    gen = importlib.import_module("models.generate")
-    st = gen.Static(
-        model=cfg, kv=spec.kv, max_len=ctx, cache_dtype=dtype, implementation=spec.impl,
-        encode_implementation="xla", greedy=True, top_k=None, use_top_p=False,
-        stop_tokens=(), pad_id=0,
+    st = models.Static(
+        model=cfg, kv=spec.kv, max_len=ctx, cache_dtype=dtype,
+        backends=models.Backends(attention=spec.impl, prompt_attention="reference"),
+        greedy=True, top_k=None, use_top_p=False, stop_tokens=(), pad_id=0,
     )  # fmt: skip
     params = jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)),
                                     layers.param_shapes(cfg, per_layer=per_layer),
@@ -197,7 +194,7 @@ def step_copies(cfg, spec, batch: int, ctx: int, per_layer: bool, dtype: str) ->
     caches *= cfg.num_layers
     tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
     t = time.perf_counter()
-    text = gen._step_jit_donated.lower(st, params, caches, tok, tok).compile().as_text()
+    text = models.step_program(donate=True).lower(st, params, caches, tok, tok).compile().as_text()
     out = dict(cache=spec.label, batch=batch, ctx=ctx, layout="layers" if per_layer else "stacked",
                dtype=dtype, compile_s=round(time.perf_counter() - t, 1))  # fmt: skip
     for what, shapes in (("weight", weight_shapes(params)), ("cache", cache_shapes(caches))):
@@ -220,11 +217,9 @@ def main(argv=None) -> list[dict]:
         default="float32",
         help="params and caches (bfloat16 on the CPU adds whole-array converts)",
     )
-    ap.add_argument("--out", default="", help="JSON file for the results")
+    ap.add_argument("--out", default="out/hlo_copies.json",
+                    help="JSON file for the results ('': none)")  # fmt: skip
     a = ap.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import e2e_common as ec
-
     cfg = ec.model_config(a.model, a.tiny)
     bad = [x for x in a.layouts.split(",") if x not in ("stacked", "layers")]
     if bad:
@@ -240,6 +235,7 @@ def main(argv=None) -> list[dict]:
                       f"{r['cache_copies']} copies {r['cache_bytes'] / 2**30:.3f} GiB  "
                       f"({r['compile_s']} s compile)", flush=True)  # fmt: skip
     if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             json.dump(dict(model=a.model, tiny=a.tiny, rows=rows), f, indent=1)
     return rows

@@ -6,7 +6,7 @@ time goes, which chained timing cannot. On the H200 (Firecracker runtime, ncu wo
     ncu --clock-control none -k regex:oscar_quantize --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats --section SourceCounters \
-        python3 benchmarks/ncu_kernels.py quantize --tokens 32768
+        python3 -m benchmarks.ncu_kernels quantize --tokens 32768
 
 ``decode`` runs INT2 decode attention (Qwen3-8B layer shape) on a prefilled cache;
 ``--options`` is a JSON dict of decode or quantize tuning knobs.
@@ -16,19 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import oscar_jax as oj  # noqa: E402
-import pallas_kernels  # noqa: E402, F401  (registers implementation="pallas")
 from benchmarks.bench_decode import HKV, D, make_inputs  # noqa: E402
 from benchmarks.bench_quantize import make_kv  # noqa: E402
-from pallas_kernels import quantize as qk  # noqa: E402
+from pallas_kernels.quantize import triton as qk  # noqa: E402
 
 
 def main():

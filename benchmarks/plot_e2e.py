@@ -3,8 +3,8 @@
 Run where matplotlib is installed (the GPU machine has none); several e2e JSONs (e.g. one
 process per model) are merged:
 
-    python3 benchmarks/plot_e2e.py --e2e run/e2e_llama/e2e.json run/e2e_qwen/e2e.json \
-        --sharded run/sharded/sharded.json --out benchmarks/results/e2e
+    python3 -m benchmarks.plot_e2e --e2e out/e2e_llama/e2e.json out/e2e_qwen/e2e.json \
+        --sharded out/sharded/sharded.json --out out/e2e_plots
 """
 
 from __future__ import annotations
@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from e2e_report import e2e_summary, sharded_summary  # noqa: E402
+from benchmarks.e2e_report import COMPONENTS, breakdown, e2e_summary, sharded_summary  # noqa: E402
 
 
 # -- charts -------------------------------------------------------------------------------
@@ -69,8 +66,6 @@ def _memory_panel(ax, datas):
 
 
 def _breakdown_panel(ax, datas):
-    from e2e_report import COMPONENTS, breakdown
-
     merged = merge(datas)
     models = sorted({k.split("/")[0] for k in merged["units"]})
     rows = [(f"{m}\n{k}", v) for m in models
@@ -120,7 +115,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description="Markdown + PNG from the e2e / sharded JSONs")
     ap.add_argument("--e2e", nargs="*", default=[])
     ap.add_argument("--sharded", default="")
-    ap.add_argument("--out", default="benchmarks/results/e2e")
+    ap.add_argument("--out", default="out/e2e_plots")
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
     if a.e2e:

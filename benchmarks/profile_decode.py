@@ -5,31 +5,25 @@ kernel events of the trace by name (the Pallas kernel, XLA's query rotation, pad
 and the split merge), per call. Complements ``bench_decode.py``'s chained timing,
 which includes the gaps between kernels.
 
-    PYTHONPATH=. python benchmarks/profile_decode.py --out /tmp/prof --shape 1x131072 \
+    python3 -m benchmarks.profile_decode --out out/profile --shape 1x131072 \
         [--variants '[{}, {"num_warps": 2}]'] [--bf16]
 """
 
 from __future__ import annotations
-
-import os
-import sys
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the repo root and benchmarks/
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import glob  # noqa: E402
 import gzip  # noqa: E402
 import json  # noqa: E402
+import os
 import tempfile  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from bench_decode import HKV, D, make_inputs  # noqa: E402
 
 import oscar_jax as oj  # noqa: E402
-import pallas_kernels  # noqa: E402, F401  (registers implementation="pallas")
+from benchmarks.bench_decode import HKV, D, make_inputs  # noqa: E402
 
 
 def kernel_times(trace_dir: str) -> dict[str, list[float]]:
@@ -77,7 +71,7 @@ def profile(fn, args, calls: int) -> dict[str, float]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="/tmp/profile_decode")
+    ap.add_argument("--out", default="out/profile")
     ap.add_argument("--shape", default="1x131072")
     ap.add_argument("--variants", default="[{}]", help="JSON list of INT2 option dicts")
     ap.add_argument("--calls", type=int, default=20)

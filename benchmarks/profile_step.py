@@ -7,32 +7,28 @@ per step, by kind (attention kernel, GEMM/GEMV, quantize kernel, collective, cop
 XLA fusions), with launch counts and the costliest kernels by name: how many launches a
 step makes, and whether the projections' GEMVs stream their weights at the copy rate.
 
-    PYTHONPATH=. python3 benchmarks/profile_step.py --model llama31_8b --cache oscar2 \
-        --batch 1 --context 131072 --out $OUT/prof
-    python3 benchmarks/profile_step.py --tiny --out /tmp/prof      # CPU: no GPU kernels traced
+    python3 -m benchmarks.profile_step --model llama31_8b --cache oscar2 \
+        --batch 1 --context 131072 --out out/step
+    python3 -m benchmarks.profile_step --tiny --out out/step_tiny  # CPU: no GPU kernels traced
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(_HERE), _HERE]  # the repo root and benchmarks/
-
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import json  # noqa: E402
+import os
 import re  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
-import e2e_common as ec  # noqa: E402
-import e2e_fill as ef  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from profile_decode import kernel_times  # noqa: E402
+
+from benchmarks import e2e_common as ec  # noqa: E402
+from benchmarks import e2e_fill as ef  # noqa: E402
+from benchmarks.profile_decode import kernel_times  # noqa: E402
 
 KINDS = (  # (kind, pattern on the kernel name), first match wins
     ("attention", r"oscar_decode|fmha|flash|cudnn|attention"),
@@ -96,7 +92,7 @@ def main():
     ap.add_argument("--fill", default="random", choices=("random", "zeros"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="2-layer model, small context (CPU)")
-    ap.add_argument("--out", default="/tmp/profile_step")
+    ap.add_argument("--out", default="out/step")
     a = ap.parse_args()
     if a.steps < 1:
         raise ValueError(f"steps={a.steps} must be >= 1")

@@ -7,24 +7,24 @@ it with the bundled ``nvdisasm`` and prints registers, spills, shared memory, th
 instruction count by opcode and each loop's length (the per-block / per-group figure).
 With ``--live`` it also prints the peak of live registers (``nvdisasm -plr``). Files go to
 OUTDIR (``kernel.ttir``, ``.ttgir``, ``.ptx``, ``.cubin``, ``.sass``). The counts are what
-the H200 runs up to JAX's own Triton build (the device's jaxlib): session 18 saw the same
-registers that Nsight Compute reported, but see below. Needs ``pip install triton`` (not a project
+the H200 runs up to JAX's own Triton build (the device's jaxlib): the registers match what
+Nsight Compute reports, but see below. Needs ``pip install triton`` (not a project
 dependency; 3.6 was used) and reaches into JAX internals, so it is a development tool::
 
-    python3 benchmarks/sass_offline.py quantize /tmp/q --opts '{"tokens": 32768}'
-    python3 benchmarks/sass_offline.py decode /tmp/d --opts '{"L": 131072}' --live
-    python3 benchmarks/sass_offline.py ncu sass.csv   # the device's own SASS, from ncu
+    python3 -m benchmarks.sass_offline quantize out/sass_q --opts '{"tokens": 32768}'
+    python3 -m benchmarks.sass_offline decode out/sass_d --opts '{"L": 131072}' --live
+    python3 -m benchmarks.sass_offline ncu sass.csv   # the device's own SASS, from ncu
 
-The offline compile is not always the device's: for session 20's key-norm change JAX
-0.11.2's Triton gave 208 registers where Triton 3.6-3.9 give 179-183, and the device
-does not contract multiply-adds into FFMA (80 against 256 in session 18's kernel). ``ncu`` reads the
-SASS the device ran, from an Nsight Compute export (on the H200):
+The offline compile is not always the device's: JAX 0.11.2's Triton can allocate more
+registers than Triton 3.6-3.9 for the same IR, and the device's build does not contract
+multiply-adds into FFMA where pip Triton does. ``ncu`` reads the SASS the device ran,
+from an Nsight Compute export (on the H200):
 
     ncu -k regex:oscar_quantize --launch-count 1 --section LaunchStats -o rep \
-      python3 benchmarks/ncu_kernels.py quantize --tokens 32768
+      python3 -m benchmarks.ncu_kernels quantize --tokens 32768
     ncu -i rep.ncu-rep --page source --print-source sass --csv > sass.csv
 
-Options (JSON): quantize: ``tokens``, ``bits`` and any ``pallas_kernels.quantize.encode``
+Options (JSON): quantize: ``tokens``, ``bits`` and any ``pallas_kernels.quantize.triton.encode``
 knob; decode: ``B``, ``L`` and any ``decode_attention`` option (Qwen3-8B shape: 32 query
 heads, 8 KV heads, head_dim 128, the oscar INT2 preset).
 """
@@ -44,6 +44,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
+import oscar_jax as oj
+from pallas_kernels import register_cap
+from pallas_kernels.quantize import triton as pq
+
 OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
 
 
@@ -51,9 +55,6 @@ def capture_triton_ir(build) -> list[tuple[str, int, int]]:
     """(Triton IR, num_warps, num_stages) of every Pallas-Triton kernel ``build()`` lowers."""
     from jax._src.pallas.triton import lowering
     from jax._src.pallas.triton import pallas_call_registration as reg
-
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from pallas_kernels import register_cap
 
     register_cap.install()  # a kernel's max_registers shows in the captured IR
     irs, orig = [], lowering.lower_jaxpr_to_triton_module
@@ -77,20 +78,13 @@ def capture_triton_ir(build) -> list[tuple[str, int, int]]:
 
 
 def lower(what: str, opts: dict):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import oscar_jax as oj
-
     if what == "quantize":
-        from pallas_kernels import quantize as pq
-
         t, bits = opts.pop("tokens", 32768), opts.pop("bits", 2)
         cfg = oj.preset("oscar", bits=bits)
         k = jax.ShapeDtypeStruct((1, 8, t, 128), jnp.bfloat16)
         f = jax.jit(lambda k, v: pq.encode(k, v, cfg, interpret=False, **opts))
         return lambda: f.trace(k, k).lower(lowering_platforms=("cuda",))
     if what == "decode":
-        import pallas_kernels  # noqa: F401  (registers implementation="pallas")
-
         oj.gpu_available = lambda: True  # the compiled path, not interpret mode
         b, length = opts.pop("B", 1), opts.pop("L", 131072)
         cfg = oj.preset("oscar", bits=2)

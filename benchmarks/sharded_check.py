@@ -1,8 +1,8 @@
-"""The greedy-token checks of ``bench_sharded.py`` (issue #10): sharded vs one GPU.
+"""The greedy-token checks of ``bench_sharded.py``: sharded vs one GPU.
 
 ``CheckUnits`` is mixed into ``bench_sharded.Bench`` (it uses its meshes, params and
-compiled programs). ``aligned_impl`` registers the Pallas kernel with a fixed split so
-that both runs split at the shard boundaries.
+compiled programs). ``aligned_impl`` is the Triton kernel with a fixed split, passed as
+the attention backend (a callable), so that both runs split at the shard boundaries.
 """
 
 from __future__ import annotations
@@ -10,63 +10,66 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import e2e_common as ec
-import e2e_fill as ef
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+import models
+from benchmarks import e2e_common as ec
+from benchmarks import e2e_fill as ef
 from models import sharding as msh
+from pallas_kernels.decode import triton as pd
 
 
 def _check_prog(st, n, params, ids, lengths, forced, use_forced):
     """Prefill, then n steps: tokens [B, n] (argmax, or ``forced`` when use_forced) and logits."""
-    logits, caches = ec.gen._prefill(st, params, ids, lengths)
+    logits, caches = models.prefill_forward(st, params, ids, lengths)
 
     def step(carry, i):
         caches, logits = carry
         tok = jnp.where(use_forced, forced[:, i], jnp.argmax(logits, -1).astype(jnp.int32))
         tok = msh.constrain(tok, st.mesh, P(st.axes.data))
-        new, caches = ec.gen._decode(st, params, caches, tok, lengths + i)
+        new, caches = models.decode_forward(st, params, caches, tok, lengths + i)
         return (caches, new), (tok, logits)
 
     _, (toks, lg) = jax.lax.scan(step, (caches, logits), jnp.arange(n, dtype=jnp.int32))
     return toks.T, jnp.swapaxes(lg, 0, 1)
 
 
-def aligned_impl(impl: str, bps: int) -> str:
-    """Register ``impl`` ("pallas") with ``blocks_per_split=bps`` under its own name.
+@dataclasses.dataclass(frozen=True)
+class AlignedKernel:
+    """The Triton kernel with ``bps`` blocks per split, as the backend of a decode: called as
+    ``decode_attention`` (one GPU) or, with ``offset``, as a shard's ``quantized_partial``."""
+
+    bps: int
+
+    def __call__(self, q, cache, scale=None, *, offset=None, softmax_scale=None, **options):
+        if offset is None:  # one GPU: rotate the query in XLA, as the shards do (the
+            # in-kernel rotation rounds the rotated query to float16 once more)
+            return pd.decode_attention_triton(q, cache, softmax_scale=softmax_scale,
+                                              blocks_per_split=self.bps,
+                                              rotate_in_kernel=False, **options)  # fmt: skip
+        lq, g = cache.quant_capacity, cache.cfg.group_size
+        cfg = pd.choose_config(1, 1, lq, g, blocks_per_split=self.bps, **options)
+        if lq % (cfg.block_tokens * self.bps):
+            raise ValueError(f"shard capacity {lq} must be a multiple of {self.bps} x "
+                             f"{cfg.block_tokens} tokens for aligned splits")  # fmt: skip
+        return pd.quantized_partial_triton(q, cache, scale, offset=offset,
+                                           blocks_per_split=self.bps, **options)  # fmt: skip
+
+
+def aligned_impl(impl: str, bps: int) -> AlignedKernel:
+    """The backend of ``impl`` ("triton" or "pallas") with ``blocks_per_split=bps``.
 
     Every split of the one-GPU kernel then covers the same tokens as a split of a shard
     (shard capacities are multiples of the split), so sharded and one-GPU runs differ
     only in the float32 order of the split merge: the greedy check tests the sharding,
     not the kernel's 16-bit rounding against a different running max.
     """
-    if impl != "pallas":
-        raise ValueError(f"impl={impl!r} must be 'pallas' for aligned splits")
-    import oscar_jax as oj
-    from pallas_kernels import decode as pd
-
-    name = f"pallas-bps{bps}"
-
-    def partial(q_rot, cache, scale, *, offset=0, **options):
-        lq, g = cache.quant_capacity, cache.cfg.group_size
-        cfg = pd.choose_config(1, 1, lq, g, blocks_per_split=bps, **options)
-        if lq % (cfg.block_tokens * bps):
-            raise ValueError(f"shard capacity {lq} must be a multiple of "
-                             f"{bps} x {cfg.block_tokens} tokens for aligned splits")  # fmt: skip
-        return pd.quantized_partial_pallas(q_rot, cache, scale, offset=offset,
-                                           blocks_per_split=bps, **options)  # fmt: skip
-
-    # the one-GPU call rotates the query in XLA, as the shards do (the in-kernel rotation
-    # rounds the rotated query to float16 once more)
-    one_gpu = functools.partial(
-        pd.decode_attention_pallas, blocks_per_split=bps, rotate_in_kernel=False
-    )
-    oj.register_decode_attention(name, one_gpu, poisons=True)
-    oj.attention.register_quantized_partial(name, partial)
-    return name
+    if impl not in ("pallas", "triton"):
+        raise ValueError(f"impl={impl!r} must be 'triton' for aligned splits")
+    return AlignedKernel(bps)
 
 
 class CheckUnits:
@@ -128,9 +131,9 @@ class CheckUnits:
         spec = self.check_spec(spec)
         b, t = self.sizes["check"]
         n = a.check_steps
-        max_len = -(-(ec.gen.bucket_length(t) + n + 128) // (256 * self.n)) * (256 * self.n)
+        max_len = -(-(models.bucket_length(t) + n + 128) // (256 * self.n)) * (256 * self.n)
         rng = np.random.default_rng(a.seed)
-        ids = rng.integers(0, cfg.vocab_size, (b, ec.gen.bucket_length(t))).astype(np.int32)
+        ids = rng.integers(0, cfg.vocab_size, (b, models.bucket_length(t))).astype(np.int32)
         lengths = np.array([t] + [t * 3 // 4] * (b - 1), np.int32)
         out = {}
         for where in ("1gpu", layout):
@@ -138,7 +141,7 @@ class CheckUnits:
             st = ec.static(cfg, spec.kv, max_len, spec.impl, a.encode_impl, mesh=mesh,
                            dtype=self.dtype)  # fmt: skip
             if mesh is not None:
-                ec.gen._check_mesh(cfg, spec.kv, mesh, st.axes, b, max_len, spec.impl)
+                models.check_mesh(cfg, spec.kv, mesh, st.axes, b, max_len, spec.impl)
             params = self.params(where)
             fn = jax.jit(functools.partial(_check_prog, st, n))
             args = [jax.device_put(x, rows if x.ndim == 1 else

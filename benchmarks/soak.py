@@ -25,8 +25,8 @@ same cache ops, and random K/V/q exercise every code path without a checkpoint):
   flags and number of quantized tokens, the process RSS (``/proc/self/status``) and
   the live JAX device buffers (count, bytes).
 
-    python benchmarks/soak.py                      # 20,000 steps, writes benchmarks/results/soak.md
-    python benchmarks/soak.py --steps 500 --out -  # quick
+    python3 -m benchmarks.soak                      # 20,000 steps, writes out/soak.md
+    python3 -m benchmarks.soak --steps 500 --out -  # quick, to stdout
 """
 
 from __future__ import annotations
@@ -35,10 +35,7 @@ import argparse
 import gc
 import os
 import platform
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -123,7 +120,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20000)
     ap.add_argument("--chunk", type=int, default=500)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "soak.md"))
+    ap.add_argument("--out", default="out/soak.md")
     a = ap.parse_args(argv)
     cfg = oj.preset("oscar", bits=2)
     max_len = a.steps + 64
@@ -166,7 +163,7 @@ def main(argv=None):
     lines = [
         "# Soak: 20,000 INT2 decode steps on CPU vs the token-by-token reference",
         "",
-        f"Command: `python benchmarks/soak.py --steps {a.steps} --chunk {a.chunk}`; "
+        f"Command: `python3 -m benchmarks.soak --steps {a.steps} --chunk {a.chunk}`; "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; jax {jax.__version__}, "
         f"{jax.devices()[0].platform} ({platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores); wall {wall:.0f} s (compile included).",
@@ -205,7 +202,7 @@ def main(argv=None):
     if a.out == "-":
         print(text)
     else:
-        os.makedirs(os.path.dirname(a.out), exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:
             f.write(text)
         print(f"wrote {a.out}")

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import oscar_jax as oj
 from models.config import ModelConfig, rope_inv_freq
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -38,10 +39,9 @@ class Transposed:
     """A projection weight stored ``[out, in]``: how the per-layer (decoding) form keeps them.
 
     At batch 1 XLA turns ``x @ W`` into a reduce fusion over W's rows; with ``[in, out]``
-    that reduces the major axis and only the output columns run in parallel (a [14336,
-    4096] down projection: 39 us, 73% of the copy rate; q / o [4096, 4096]: 44 us, 19%),
-    with ``[out, in]`` it reduces the contiguous axis (32 / 9 us, 90%; H200,
-    ``benchmarks/bench_gemv.py``, 2026-11-30). At batch 48 both run alike (cuBLAS).
+    that reduces the major axis and only the output columns run in parallel, with
+    ``[out, in]`` it reduces the contiguous axis and streams the weights at ~90% of the
+    copy rate on the H200 (BENCHMARKS.md). At batch 48 both run alike (cuBLAS).
     """
 
     w: jax.Array  # [out, in]
@@ -122,21 +122,19 @@ def _attend(qg, k, v, q_pos, valid):
     return jnp.einsum("bhgqk,bkhd->bqhgd", p, v.astype(jnp.float32), precision=HIGHEST)
 
 
-PROMPT_ATTENTION = ("auto", "reference", "cudnn", "xla")
+PROMPT_ATTENTION = oj.backends.PROMPT_ATTENTION
 
 
 def resolve_prompt_attention(implementation: str, dtype, sharded: bool = False) -> str:
     """The concrete prompt attention of ``implementation``: "auto" is cuDNN's flash
-    attention on a GPU for a 16-bit, unsharded model (a 32K-token Llama-3.1-8B prompt
-    took 27.9 s with the float32 reference on an H200), else "reference"."""
+    attention on a GPU for a 16-bit, unsharded model (the float32 reference is slow on
+    long prompts), else "reference"."""
     if implementation not in PROMPT_ATTENTION:
         raise ValueError(f"{implementation=} must be one of {PROMPT_ATTENTION}")
     if implementation != "auto":
         return implementation
-    import oscar_jax
-
     half = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-    return "cudnn" if half and not sharded and oscar_jax.gpu_available() else "reference"
+    return "cudnn" if half and not sharded and oj.gpu_available() else "reference"
 
 
 def causal_attention(
@@ -178,17 +176,31 @@ def causal_attention(
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
-def block(cfg: ModelConfig, lp, x, positions, valid=None, attention: str = "reference"):
-    """One decoder layer over a whole sequence; returns (x, (k, v)) with k/v as cached.
+def block(cfg: ModelConfig, lp, x, positions, attend, between=None):
+    """One pre-norm decoder layer, the one every path runs: x [B, T, Hd] ->
+    (x + mlp(norm(x')), (k, v)) with x' = x + wo(attend(q, k, v)).
 
-    ``attention``: ``causal_attention``'s implementation."""
-    hn = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = qkv(cfg, lp, hn, positions)
-    o = causal_attention(q, k, v, valid, implementation=attention)
+    ``attend(q [B, T, Hq, D], k, v [B, T, Hkv, D]) -> [B, T, Hq, D]``: the attention of
+    the caller (causal over the prompt, over a cache while decoding, ...); k / v are
+    returned as the caller caches them (post-RoPE). ``between(x')``: applied before the
+    MLP (e.g. a sharding constraint).
+    """
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = qkv(cfg, lp, h, positions)
+    o = attend(q, k, v)
     b, t = x.shape[:2]
     x = x + dense(o.reshape(b, t, cfg.q_size), lp["wo"], lp.get("bo"))
+    if between is not None:
+        x = between(x)
     x = x + mlp(lp, rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps))
     return x, (k, v)
+
+
+def prompt_block(cfg: ModelConfig, lp, x, positions, valid=None, attention: str = "reference"):
+    """``block`` with causal attention over the sequence (``causal_attention``'s
+    ``implementation``; ``valid`` [B, T] masks padded keys)."""
+    attend = lambda q, k, v: causal_attention(q, k, v, valid, implementation=attention)  # noqa: E731
+    return block(cfg, lp, x, positions, attend)
 
 
 def embed(params, ids):
@@ -239,7 +251,7 @@ def stack_layers(params: dict) -> dict:
     return {**params, "layers": {k: jnp.stack([plain(lp[k]) for lp in lay]) for k in lay[0]}}
 
 
-_block_jit = jax.jit(block, static_argnums=0, static_argnames="attention")  # once for all L
+_block_jit = jax.jit(prompt_block, static_argnums=0, static_argnames="attention")  # once for L
 
 
 def forward(cfg: ModelConfig, params, ids, positions=None, valid=None, keep_kv=False,
@@ -268,7 +280,7 @@ def forward(cfg: ModelConfig, params, ids, positions=None, valid=None, keep_kv=F
         return x, ((jnp.stack(k), jnp.stack(v)) if stack_kv else (k, v))
 
     def step(x, lp):
-        x, kv = block(cfg, lp, x, positions, valid, attention)
+        x, kv = prompt_block(cfg, lp, x, positions, valid, attention)
         return x, (kv if keep_kv else None)
 
     x, kv = jax.lax.scan(step, x, params["layers"])

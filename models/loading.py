@@ -1,4 +1,7 @@
-"""``from_pretrained``: a Hugging Face checkpoint directory -> ``CausalLM``.
+"""``from_pretrained``: a Hugging Face checkpoint directory or a GGUF file -> ``CausalLM``.
+
+A ``.gguf`` file (or any file starting with GGUF's magic) is read by ``models.gguf``:
+config and tokenizer from its metadata, tensors dequantized into the model dtype.
 
 Reads ``config.json`` and ``model.safetensors`` or sharded safetensors with
 ``model.safetensors.index.json``. The safetensors files are memory-mapped and
@@ -19,9 +22,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import tokenizers
 from flax import nnx
 
-from models import layers
+from models import gguf, layers
 from models.config import ModelConfig, from_hf_config
 from models.model import CausalLM
 
@@ -30,7 +34,7 @@ _ST_DTYPES = {
 }  # fmt: skip
 
 # our layer param name -> (HF suffix under model.layers.{i}., transpose)
-_LAYER_NAMES = {
+HF_LAYER_NAMES = {
     "wq": ("self_attn.q_proj.weight", True),
     "wk": ("self_attn.k_proj.weight", True),
     "wv": ("self_attn.v_proj.weight", True),
@@ -47,7 +51,7 @@ _LAYER_NAMES = {
     "attn_norm": ("input_layernorm.weight", False),
     "mlp_norm": ("post_attention_layernorm.weight", False),
 }
-_TOP_NAMES = {"embed": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False),
+HF_TOP_NAMES = {"embed": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False),
               "lm_head": ("lm_head.weight", True)}  # fmt: skip
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -147,6 +151,9 @@ def _open_weights(path: str) -> dict[str, SafetensorsFile]:
 
 
 def load_config(path: str) -> ModelConfig:
+    """The ModelConfig of a checkpoint directory's config.json or of a GGUF file's metadata."""
+    if gguf.is_gguf(path):
+        return gguf.load_config(path)
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory")
     cpath = os.path.join(path, "config.json")
@@ -156,16 +163,16 @@ def load_config(path: str) -> ModelConfig:
         return from_hf_config(json.load(f))
 
 
-def _expected_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
+def expected_hf_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
     """HF name -> (our param key, layer index or None, transpose)."""
     shapes = layers.param_shapes(cfg)
     out = {}
     for key in shapes:
         if key != "layers":
-            hf, tr = _TOP_NAMES[key]
+            hf, tr = HF_TOP_NAMES[key]
             out[hf] = (key, None, tr)
     for key in shapes["layers"]:
-        suffix, tr = _LAYER_NAMES[key]
+        suffix, tr = HF_LAYER_NAMES[key]
         for i in range(cfg.num_layers):
             out[f"model.layers.{i}.{suffix}"] = (key, i, tr)
     return out
@@ -174,13 +181,20 @@ def _expected_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]
 def from_pretrained(path: str, dtype=jnp.float32) -> CausalLM:
     """Load a Llama / Qwen2 / Qwen3 checkpoint directory into a ``CausalLM`` of ``dtype``.
 
+    ``path`` may also be a GGUF file (llama, qwen2, qwen3 architectures; ``models.gguf``),
+    whose tokenizer metadata gives ``model.tokenizer``.
+
     Raises ValueError for a missing directory / config / weights, unsupported config
-    attributes, and missing or unexpected tensors (all named) or wrong shapes.
+    attributes, and missing or unexpected tensors (all named) or wrong shapes; for a GGUF
+    file also for an unsupported architecture or tensor type, a truncated file or a bad
+    header (naming the file and the field or tensor).
     """
     path = os.fspath(path)
+    if gguf.is_gguf(path):
+        return gguf.load(path, dtype)
     cfg = load_config(path)
     tensors = _open_weights(path)
-    want = _expected_names(cfg)
+    want = expected_hf_names(cfg)
     have = set(tensors)
     missing = sorted(set(want) - have)
     unexpected = sorted(
@@ -230,10 +244,5 @@ def from_pretrained(path: str, dtype=jnp.float32) -> CausalLM:
     tok = os.path.join(path, "tokenizer.json")
     model.tokenizer = None
     if os.path.isfile(tok):
-        try:
-            import tokenizers
-
-            model.tokenizer = tokenizers.Tokenizer.from_file(tok)
-        except ImportError:  # the tokenizer is optional
-            pass
+        model.tokenizer = tokenizers.Tokenizer.from_file(tok)
     return model

@@ -5,9 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import oscar_jax as oj
-from models.config import ModelConfig
+from models.config import ModelConfig, llama31_8b, qwen3_8b
 from models.model import abstract_model
 
 
@@ -37,8 +38,6 @@ def abstract_nbytes(tree) -> int:
 
 
 def param_nbytes(cfg: ModelConfig, dtype=jnp.bfloat16) -> int:
-    from flax import nnx
-
     return abstract_nbytes(nnx.state(abstract_model(cfg, dtype), nnx.Param))
 
 
@@ -68,7 +67,6 @@ def format_table(rows) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    from models.config import llama31_8b, qwen3_8b
-
-    print(format_table(memory_table({"Llama-3.1-8B": llama31_8b(), "Qwen3-8B": qwen3_8b()})))
+def full_size_table() -> str:
+    """The KV-cache table of Llama-3.1-8B and Qwen3-8B at 32K and 128K (``oscar-jax memory``)."""
+    return format_table(memory_table({"Llama-3.1-8B": llama31_8b(), "Qwen3-8B": qwen3_8b()}))

@@ -27,6 +27,7 @@ from flax import nnx
 
 import oscar_jax as oj
 from models import layers
+from models import sharding as msh
 from models.config import ModelConfig
 
 
@@ -95,8 +96,6 @@ class CausalLM(nnx.Module):
 
     def sharded_params(self, kv: oj.KVQuantConfig | None, mesh, ax=None) -> dict:
         """``folded_params(kv)`` placed on ``mesh`` in ``models.sharding``'s layout (cached)."""
-        from models import sharding as msh
-
         ax = ax or msh.AXES
         rot = (kv.rotation, kv.rotation_seed) if kv is not None and kv.rotate_values else None
         key = ("mesh", rot, mesh, ax)
@@ -113,8 +112,6 @@ class CausalLM(nnx.Module):
         stacked folded copy is made on the way only if none is cached, and dropped: the
         steady state is the model's own stacked params plus this one copy.
         """
-        from models import sharding as msh
-
         rot = (kv.rotation, kv.rotation_seed) if kv is not None and kv.rotate_values else None
         ax = (ax or msh.AXES) if mesh is not None else None
         key = ("layers", rot, mesh, ax)

@@ -63,7 +63,7 @@ def check_model_mesh(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES, batch=No
 
 def warn_known_crash(kv, mesh) -> bool:
     """Warn (and return True) before a sharded BF16-cache decode compiles on GPUs with
-    XLA's Shardy partitioner: on jax 0.11.2 / H200 that compile died with a segmentation
+    XLA's Shardy partitioner: on jax 0.11.2 (H200) that compile dies with a segmentation
     fault inside Shardy, which Python cannot catch; GSPMD compiles the same program."""
     devices = list(np.asarray(mesh.devices).flat)
     if kv.quantized or len(devices) < 2 or not jax.config.jax_use_shardy_partitioner:
@@ -164,40 +164,3 @@ def collective_lines(hlo_text: str, kind: str) -> list[str]:
     """The HLO instructions of one collective kind (e.g. ``"all-gather"``), for inspection."""
     return [ln.strip() for ln in hlo_text.splitlines()
             if (m := _COLLECTIVE.search(ln)) and m.group(1) == kind]  # fmt: skip
-
-
-def decode_step_hlo(
-    cfg: ModelConfig, kv, mesh: Mesh, *, batch: int, max_len: int, dtype="bfloat16",
-    ax: MeshAxes = AXES,
-) -> str:  # fmt: skip
-    """Compiled HLO text of one sharded decode step (all layers) of model ``cfg`` on ``mesh``.
-
-    Lowered from shapes only (``ShapeDtypeStruct``s carrying the default shardings), so
-    it works for full-size configs without allocating params or caches. The params are
-    in the per-layer form (``CausalLM.decode_params``), as decoding runs them.
-    """
-    import sys
-
-    import jax.numpy as jnp
-
-    from models import memory
-
-    gen = sys.modules["models.generate"]
-    kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
-    gen._check_mesh(cfg, kv, mesh, ax, batch, max_len, "xla")
-    st = gen.Static(
-        model=cfg, kv=kv, max_len=max_len, cache_dtype=jnp.dtype(dtype).name,
-        implementation="xla", encode_implementation="xla", greedy=True, top_k=None,
-        use_top_p=False, stop_tokens=(), pad_id=0, mesh=mesh, axes=ax,
-    )  # fmt: skip
-    put = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-    shapes = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s, jnp.dtype(dtype)),
-        layers.param_shapes(cfg, per_layer=True), is_leaf=layers.is_shape,
-    )  # fmt: skip
-    params = jax.tree_util.tree_map(put, shapes, param_shardings(cfg, mesh, ax, per_layer=True))
-    one = memory.abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
-    one = jax.tree_util.tree_map(put, one, osh.cache_shardings(one, mesh, ax))
-    caches = (one,) * cfg.num_layers
-    tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows(mesh, ax))
-    return gen._step_jit.lower(st, params, caches, tok, tok).compile().as_text()

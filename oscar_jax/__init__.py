@@ -13,13 +13,13 @@ Public API (shapes: B batch, T tokens, Hkv KV heads, Hq query heads, D head_dim)
     save_state("c.safetensors", cache); cache = load_state("c.safetensors")
 """
 
-from oscar_jax import checks, diagnostics, persistence
+from oscar_jax import backends, checks, diagnostics, persistence
 from oscar_jax.attention import (
     decode_attention,
     decode_attention_xla,
     merge_partials,
-    register_decode_attention,
 )
+from oscar_jax.backends import Backends
 from oscar_jax.cache import (
     FLAG_BAD_LENGTH,
     FLAG_NONFINITE,
@@ -40,7 +40,6 @@ from oscar_jax.codec import (
     encode,
     encode_keys_xla,
     encode_values_xla,
-    register_encoder,
 )
 from oscar_jax.config import METHODS, KVQuantConfig, preset
 from oscar_jax.devices import gpu_available
@@ -52,8 +51,8 @@ from oscar_jax.quant import dequantize_groups, pack, quantize_groups, unpack
 from oscar_jax.ring import append
 
 __all__ = [
-    "FLAG_BAD_LENGTH", "FLAG_NONFINITE", "FLAG_OVERFLOW", "METHODS", "EncodedKeys",
-    "EncodedValues", "KVCache", "KVQuantConfig", "append", "cache_capacity_nbytes",
+    "FLAG_BAD_LENGTH", "FLAG_NONFINITE", "FLAG_OVERFLOW", "METHODS", "Backends", "EncodedKeys",
+    "EncodedValues", "KVCache", "KVQuantConfig", "append", "backends", "cache_capacity_nbytes",
     "cache_nbytes", "check_cache", "checked", "checks", "decode_attention",
     "decode_attention_xla", "decode_keys",
     "decode_values", "dequantize", "dequantize_groups", "diagnostics", "encode",
@@ -61,6 +60,6 @@ __all__ = [
     "gpu_available",
     "hadamard_matrix", "init_cache", "load_state", "merge_partials", "pack", "persistence",
     "prefill", "preset",
-    "quantize_groups", "register_decode_attention", "register_encoder", "rotate",
+    "quantize_groups", "rotate",
     "rotation_matrix", "save_state", "unpack", "unrotate",
 ]  # fmt: skip

@@ -1,4 +1,4 @@
-"""``oscar-jax`` / ``python -m oscar_jax``: the synthetic TNI study and the cache's compression.
+"""oscar-jax study / python3 -m oscar_jax: the synthetic TNI study and the cache's compression.
 
 Runs on the bundled default (synthetic keys with massive channels and low-norm
 sink tokens, seeded) and prints Markdown tables: per method and bit width the
@@ -48,7 +48,7 @@ def memory_table(seed: int, tokens: int, heads: int = 8, head_dim: int = 128) ->
         cache = oj.init_cache(cfg, batch=1, max_len=tokens, num_kv_heads=heads, head_dim=head_dim)
         cache = oj.prefill(cache, k, v)
         total = oj.cache_nbytes(cache)
-        per_q, _ = oj.cache._per_token_bytes(cache)
+        per_q, _ = oj.cache.bytes_per_token(cache)
         ref = ref or total
         rows.append({
             "method": m, "bits": bits, "tokens": tokens,
@@ -66,13 +66,20 @@ def _md(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(out)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="oscar-jax", description=__doc__.splitlines()[0])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokens", type=int, default=1024, help="synthetic sequence length")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--memory-tokens", type=int, default=4096, help="cache length for bytes")
-    p.add_argument("--json", default=None, help="also write the tables as JSON here")
+def main(argv=None, prog: str = "python3 -m oscar_jax") -> int:
+    """The study's command line (``oscar-jax study`` passes its own ``prog``)."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description=__doc__.split(": ", 1)[1].split("\n\n")[0].replace("\n", " "),
+        epilog=__doc__.split("\n\n", 1)[1].strip(),
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic keys and values")
+    p.add_argument("--tokens", type=int, default=1024,
+                   help="synthetic sequence length (default: %(default)s)")  # fmt: skip
+    p.add_argument("--head-dim", type=int, default=128, help="head dimension (default: 128)")
+    p.add_argument("--memory-tokens", type=int, default=4096,
+                   help="cache length of the memory table (default: %(default)s)")  # fmt: skip
+    p.add_argument("--json", default=None, help="also write the tables as JSON to this file")
     a = p.parse_args(argv)
     rows = method_table(a.seed, a.tokens, a.head_dim)
     print(f"# Synthetic TNI study (jax {jax.__version__}, {jax.devices()[0].platform})\n")

@@ -12,14 +12,12 @@ result is exact for the stored values. A row with no tokens returns zeros.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from oscar_jax import codec, hadamard
+from oscar_jax import backends, codec, hadamard
 from oscar_jax.cache import FLAG_NONFINITE, KVCache, _residual_tokens, quantized_parts
 from oscar_jax.eager import compiled
 
@@ -128,46 +126,6 @@ def decode_attention_xla(
     return merge_partials(parts).reshape(q.shape).astype(q.dtype)
 
 
-# -- implementation switch ----------------------------------------------------------
-DecodeFn = Callable[..., Array]
-_DECODERS: dict[str, DecodeFn] = {"xla": decode_attention_xla}
-
-
-_POISONING: set[str] = set()  # decoders that make flagged rows NaN themselves
-
-
-def register_decode_attention(name: str, fn: DecodeFn, *, poisons: bool = False) -> None:
-    """Register ``fn(q, cache, *, softmax_scale=None, **options)`` under ``name``.
-
-    ``poisons``: fn itself returns NaN for the rows with ``FLAG_NONFINITE`` (as
-    ``poison_flagged_rows``), e.g. inside a kernel, sparing the select after it.
-    """
-    _DECODERS[name] = fn
-    (_POISONING.add if poisons else _POISONING.discard)(name)
-
-
-# The quantized part of one sequence shard, for ``oscar_jax.sharding``: "xla" is
-# ``quantized_partial``; ``pallas_kernels`` registers its split-K kernel as "pallas".
-_PARTIALS: dict[str, Callable] = {"xla": quantized_partial}
-
-
-def register_quantized_partial(name: str, fn: Callable) -> None:
-    """Register ``fn(q_rot, cache, scale, *, offset=0, **options) -> (acc, m, l)`` under ``name``.
-
-    q_rot [b, h, g, d] float32 (rotated, unscaled); ``cache`` holds the quantized tokens at
-    global positions offset.. (a sequence shard), ``cache.lengths`` the global lengths;
-    acc [b, h, g, d] in the rotated basis, m / l [b, h, g] as ``quantized_partial``'s.
-    For a ``bf16`` cache (no quantized part) ``fn`` covers the ring slots offset.., as
-    ``residual_partial`` does (the "xla" entry is not called for those).
-    """
-    _PARTIALS[name] = fn
-
-
-def lookup_quantized_partial(implementation: str) -> Callable:
-    """The registered quantized partial (ValueError naming the value if unknown)."""
-    return codec.lookup(_PARTIALS, implementation, "sharded decode_attention")
-
-
 @compiled(arrays=("q", "cache"))
 def decode_attention(
     q: Float[Array, "B Hq D"],
@@ -179,13 +137,17 @@ def decode_attention(
 ) -> Float[Array, "B Hq D"]:
     """Attention of one query token per row over the cache (q after RoPE, original basis).
 
-    ``implementation``: "xla" (the pure-JAX reference) or "pallas" (the fused INT2
-    flash-decoding kernel from ``pallas_kernels``; interpret mode without a GPU).
+    ``implementation``: a backend of ``oscar_jax.backends.TABLES["decode_attention"]``:
+    "xla" (the pure-JAX reference) or "triton" (the fused INT2/INT4 flash-decoding kernel
+    of ``pallas_kernels.decode``; interpret mode without a GPU), or a callable
+    ``fn(q, cache, *, softmax_scale=None, **options)``.
     Rows whose cache has ``FLAG_NONFINITE`` return NaN (``poison_flagged_rows``).
     """
-    fn = codec.lookup(_DECODERS, implementation, "decode_attention")
+    fn = backends.resolve("decode_attention", implementation)
     out = fn(q, cache, softmax_scale=softmax_scale, **options)
-    return out if implementation in _POISONING else poison_flagged_rows(out, cache)
+    if backends.poisons("decode_attention", implementation):
+        return out
+    return poison_flagged_rows(out, cache)
 
 
 def poison_flagged_rows(out: Array, cache: KVCache) -> Array:

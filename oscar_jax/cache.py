@@ -379,7 +379,7 @@ def dequantize(cache: KVCache) -> tuple[Float[Array, "B L H D"], Float[Array, "B
     return k, v
 
 
-def _per_token_bytes(cache: KVCache) -> tuple[float, int]:
+def bytes_per_token(cache: KVCache) -> tuple[float, int]:
     """(quantized bytes per token, residual bytes per token) over all heads of one row."""
     cfg, h, d = cache.cfg, cache.num_kv_heads, cache.head_dim
     res = 2 * h * d * jnp.dtype(cache.dtype).itemsize
@@ -398,7 +398,7 @@ def cache_nbytes(cache: KVCache) -> int:
     """Bytes the cache holds for the tokens stored (codes, params, norms, residual); host-side."""
     n = np.asarray(cache.lengths, np.int64)
     nq = np.asarray(cache.num_quantized(), np.int64)
-    per_q, per_r = _per_token_bytes(cache)
+    per_q, per_r = bytes_per_token(cache)
     return int(round(float(np.sum(nq) * per_q + np.sum(n - nq) * per_r)))
 
 

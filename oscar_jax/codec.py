@@ -12,20 +12,18 @@ quantize per channel over G consecutive tokens, pack along channels.
 Values (``encode_values``): rotate (``rotate_values``), quantize per token over
 Gv consecutive channels, pack along channels.
 
-``register_encoder`` lets ``pallas_kernels`` provide a fused implementation
-selected with ``implementation="pallas"``; this module stays pure JAX.
+``encode`` picks the implementation from ``oscar_jax.backends`` ("xla" here, the fused
+Pallas kernel as "triton"); this module stays pure JAX.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, UInt8
 
-from oscar_jax import hadamard, quant
+from oscar_jax import backends, hadamard, quant
 from oscar_jax.config import KVQuantConfig
 from oscar_jax.eager import compiled
 
@@ -122,34 +120,11 @@ def decode_values(
     return x
 
 
-# -- implementation registry ----------------------------------------------------------
-Encoder = Callable[..., tuple[EncodedKeys, EncodedValues]]
-
-
-def _encode_xla(k, v, cfg: KVQuantConfig, **unused) -> tuple[EncodedKeys, EncodedValues]:
+def encode_xla(k, v, cfg: KVQuantConfig, **unused) -> tuple[EncodedKeys, EncodedValues]:
+    """The "xla" encoder: ``encode_keys_xla`` and ``encode_values_xla``."""
     if unused:
         raise ValueError(f"implementation='xla' takes no tuning options, got {sorted(unused)}")
     return encode_keys_xla(k, cfg), encode_values_xla(v, cfg)
-
-
-_ENCODERS: dict[str, Encoder] = {"xla": _encode_xla}
-_PLUGINS = {"pallas": "pallas_kernels"}
-
-
-def register_encoder(name: str, fn: Encoder) -> None:
-    """Register ``fn(k, v, cfg, **options) -> (EncodedKeys, EncodedValues)`` under ``name``."""
-    _ENCODERS[name] = fn
-
-
-def lookup(table: dict, name: str, what: str):
-    """Find an implementation, importing its plugin package (e.g. pallas_kernels) on first use."""
-    if not isinstance(name, str):
-        raise ValueError(f"implementation={name!r} must be a str, one of {sorted(table)}")
-    if name not in table and name in _PLUGINS:
-        importlib.import_module(_PLUGINS[name])  # registers itself on import
-    if name not in table:
-        raise ValueError(f"implementation={name!r} must be one of {sorted(table)} for {what}")
-    return table[name]
 
 
 @compiled(arrays=("k", "v"))
@@ -161,5 +136,6 @@ def encode(
     implementation: str = "xla",
     **options,
 ) -> tuple[EncodedKeys, EncodedValues]:
-    """Encode a block of keys and values (T a multiple of G) with the chosen implementation."""
-    return lookup(_ENCODERS, implementation, "encoding")(k, v, cfg, **options)
+    """Encode a block of keys and values (T a multiple of G) with the chosen implementation
+    (``oscar_jax.backends.TABLES["encode"]``: "xla" or "triton", or a callable)."""
+    return backends.resolve("encode", implementation)(k, v, cfg, **options)

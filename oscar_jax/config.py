@@ -23,6 +23,13 @@ ROTATION_KINDS: tuple[str, ...] = ("hadamard", "randomized_hadamard", "random_or
 PARAM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 
 
+_BITS = ", ".join(map(str, SUPPORTED_BITS[:-1])) + f" or {SUPPORTED_BITS[-1]}"
+_BF16 = (
+    "it is unquantized (keys and values stored as they come, 16 bits) and takes no bits; "
+    "bits are for the quantized methods kivi, ots_only, rotation_only and oscar"
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class KVQuantConfig:
     """How one layer's KV cache is stored.
@@ -65,34 +72,42 @@ class KVQuantConfig:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"{self.method=} must be one of {METHODS}")
+            raise ValueError(f"method={self.method!r} must be one of {METHODS}")
         if self.method == "bf16":
             if self.bits != 16:
-                raise ValueError(f"{self.bits=} must be 16 for method 'bf16'")
-        elif self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"{self.bits=} must be one of {SUPPORTED_BITS}")
+                raise ValueError(
+                    f"bits={self.bits!r} must not be given for method 'bf16': " + _BF16
+                )
+        elif isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+            raise ValueError(
+                f"bits={self.bits!r} must be one of {_BITS} for method {self.method!r} (the "
+                "code width of keys and values; 2 and 4 are the paper's settings, 16 is the "
+                "unquantized method 'bf16')"
+            )
         for name in ("group_size", "residual_length", "rotation_seed"):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, int | np.integer):
                 raise ValueError(f"{name}={val!r} must be an int")
         if self.group_size < 1 or self.group_size & (self.group_size - 1):
-            raise ValueError(f"{self.group_size=} must be a positive power of two")
+            raise ValueError(f"group_size={self.group_size!r} must be a positive power of two")
         if self.residual_length < 0 or self.residual_length % self.group_size:
             raise ValueError(
-                f"{self.residual_length=} must be >= 0 and a multiple of "
+                f"residual_length={self.residual_length!r} must be >= 0 and a multiple of "
                 f"group_size={self.group_size}"
             )
         if self.norm_granularity not in NORM_GRANULARITIES:
-            raise ValueError(f"{self.norm_granularity=} must be one of {NORM_GRANULARITIES}")
+            raise ValueError(
+                f"norm_granularity={self.norm_granularity!r} must be one of {NORM_GRANULARITIES}"
+            )
         if self.rotation not in ROTATION_KINDS:
-            raise ValueError(f"{self.rotation=} must be one of {ROTATION_KINDS}")
+            raise ValueError(f"rotation={self.rotation!r} must be one of {ROTATION_KINDS}")
         if self.param_dtype not in PARAM_DTYPES:
-            raise ValueError(f"{self.param_dtype=} must be one of {PARAM_DTYPES}")
+            raise ValueError(f"param_dtype={self.param_dtype!r} must be one of {PARAM_DTYPES}")
         if self.norm_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"{self.norm_dtype=} must be float32, bfloat16 or float16")
+            raise ValueError(f"norm_dtype={self.norm_dtype!r} must be float32, bfloat16 or float16")
         if (self.rotate_keys or self.rotate_values) and self.rotation == "none":
             raise ValueError(
-                f"{self.rotation=} conflicts with rotate_keys={self.rotate_keys}, "
+                f"rotation={self.rotation!r} conflicts with rotate_keys={self.rotate_keys}, "
                 f"rotate_values={self.rotate_values}"
             )
 
@@ -156,6 +171,10 @@ def preset(method: str = "oscar", **overrides: Any) -> KVQuantConfig:
     unknown = sorted(set(overrides) - fields)
     if unknown:
         raise ValueError(f"overrides {unknown} must be fields of KVQuantConfig: {sorted(fields)}")
+    if method == "bf16" and "bits" in overrides and overrides["bits"] != 16:
+        raise ValueError(
+            f"bits={overrides['bits']!r} must not be given for method 'bf16': " + _BF16
+        )
     kw = dict(_PRESETS[method])
     kw.update(overrides)
     if method != "bf16" and "rotation" not in kw and not (kw["rotate_keys"] or kw["rotate_values"]):

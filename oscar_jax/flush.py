@@ -29,6 +29,7 @@ from jaxtyping import Array
 from oscar_jax.cache import FLAG_NONFINITE, KVCache
 from oscar_jax.codec import EncodedKeys, EncodedValues
 from oscar_jax.ring import (
+    append_to_ring,
     clear_groups,
     encode_groups,
     flush_due,
@@ -100,6 +101,17 @@ def prepare_flushes(caches, implementation: str = "xla", *, clear: bool = True, 
 def write_flush(cache: KVCache, f: Flush, q_offset=0) -> KVCache:
     """Store a pending flush's groups (``write_groups``; shard-aware with ``q_offset``)."""
     return write_groups(cache, f.ek, f.ev, f.nq, f.flush, q_offset)
+
+
+def write_step(cache: KVCache, k_t: Array, v_t: Array, f: Flush) -> KVCache:
+    """One decode step's writes when its flush was encoded early (``prepare_flushes``): the
+    token k_t / v_t [B, H, D] into the ring, then the flushed groups (``write_flush``). The
+    "xla" cache write of ``oscar_jax.backends`` (``pallas_kernels.cache_write.fused_update``
+    writes the same bits in one launch). The flush mask is ANDed with this cache's
+    ``flags >= 0`` (always true) so that XLA cannot hoist the group writes, nor later reads
+    of the cache, of every layer to the start of a step and hold them all at once."""
+    c = append_to_ring(cache, k_t, v_t)[0]
+    return write_flush(c, f._replace(flush=f.flush & (c.flags >= 0)))
 
 
 def flush_early(caches, implementation: str = "xla", **options) -> tuple[KVCache, ...]:

@@ -149,8 +149,8 @@ def rotate(
 
     ``dense=True`` takes one [d, d] matmul instead of the butterflies: for a few rows
     (a decode query) XLA fuses the butterfly stages into one loop that re-reads every
-    input per output (measured on the H200: 30 us for one query of 8 KV heads x 16
-    rows, 20% of the whole INT2 attention at 128K), where a GEMM takes ~2 us.
+    input per output (on the H200 ~30 us for one query of 8 KV heads x 16 rows, where
+    the GEMM takes ~2 us).
     """
     return _apply(x, cfg, inverse=False, dense=dense)
 

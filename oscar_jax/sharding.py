@@ -31,9 +31,9 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from oscar_jax import attention as att
+from oscar_jax import backends, ring
 from oscar_jax import cache as kvc
 from oscar_jax import flush as fl
-from oscar_jax import ring
 from oscar_jax.cache import KVCache
 from oscar_jax.codec import EncodedKeys, EncodedValues
 
@@ -158,15 +158,16 @@ def sharded_decode_attention(
 ) -> Float[Array, "B Hq D"]:
     """``decode_attention`` over a cache sharded in the default layout.
 
-    ``implementation``: the shards' partial, "xla" (reference math) or "pallas" (the INT
-    kernel over the quantized part, the BF16 kernel over a ``bf16`` cache's ring slice;
-    ``options``: their ``DecodeConfig`` fields).
+    ``implementation``: the shards' partial (``backends.TABLES["quantized_partial"]``),
+    "xla" (reference math) or "triton" (the INT kernel over the quantized part, the BF16
+    kernel over a ``bf16`` cache's ring slice; ``options``: their ``DecodeConfig`` fields).
     """
     att.check_query(q, cache)
     check_mesh(cache, mesh, ax)
-    partial = att.lookup_quantized_partial(implementation)
+    partial = backends.resolve("quantized_partial", implementation)
+    implementation = backends.canonical("quantized_partial", implementation)
     if options and implementation == "xla":
-        raise ValueError(f"options {sorted(options)} need implementation='pallas', not 'xla'")
+        raise ValueError(f"options {sorted(options)} need implementation='triton', not 'xla'")
     cfg = cache.cfg
 
     def local(q, c):

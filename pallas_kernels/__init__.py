@@ -1,17 +1,11 @@
-"""Pallas GPU kernels (lowered through Triton) for the OScaR cache.
+"""Pallas GPU kernels for the OScaR cache, one folder per op; without a GPU they run in
+Pallas interpret mode.
 
-Importing this package registers the ``implementation="pallas"`` paths of
-``oscar_jax.prefill`` / ``append`` (fused quantize) and
-``oscar_jax.decode_attention`` (INT2 flash-decoding: the INT kernel, then
-``decode_merge.merge`` over its splits). ``cache_write.fused_update``
-is one layer's decode-step cache update in one launch (used by ``models`` when
-``encode_implementation="pallas"``). Without a GPU the kernels run in Pallas
-interpret mode.
+- ``decode``: INT2/INT4 split-K flash-decoding and its merge (``decode.triton``, lowered
+  through Triton), the BF16 split-K kernel, launch configs.
+- ``quantize``: the fused rotate / norm / quantize / pack encoder (``quantize.triton``).
+- ``cache_write``: one layer's decode-step cache update in one launch.
+
+Nothing registers itself: ``oscar_jax.backends.TABLES`` names these functions as the
+``"triton"`` backend of each op and imports them on first use.
 """
-
-from pallas_kernels import (
-    cache_write,  # noqa: E402,F401
-    decode,  # noqa: E402,F401  (registers decode_attention "pallas")
-    decode_merge,  # noqa: E402,F401
-    quantize,  # noqa: E402,F401  (registers implementation="pallas")
-)

@@ -2,8 +2,8 @@
 
 With early flushes (``oscar_jax.flush``) a layer's step writes its cache by ~11 XLA
 scatters: the ring clear of the flushed group (2), the ring append (2) and the store
-of the encoded group (7). On the H200 each is its own small kernel (~1-1.5 us), so an
-INT2 step of 32 layers launches ~400 copies (a BF16 cache: 77), ~0.47 ms per step.
+of the encoded group (7). On the GPU each is its own small kernel, so an INT2 step of 32
+layers launches ~400 copies (a BF16 cache: 77).
 ``fused_update`` does the same writes in one launch per layer, bit-identical to::
 
     c = clear_groups(c, ...)               # prepare_flushes(..., clear=True)
@@ -21,8 +21,8 @@ drops them (not ok, or not wholly inside the array). The caller's cache comes fr
 its ring still holds the group (read by the encoder, whose output this kernel takes,
 so XLA orders that read before the in-place write).
 
-On the H200 (2026-11-30) the GPU tests match the XLA writes exactly and a Llama-3.1-8B
-step at batch 1 drops by 0.7 ms at 32K and 128K (1.7 us per launch; BENCHMARKS.md).
+It takes 0.7 ms off a Llama-3.1-8B INT2 step at batch 1, 32K and 128K, on the H200
+(BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from oscar_jax import sharding as osh
 from oscar_jax.cache import KVCache, _rem
 from oscar_jax.flush import Flush, can_flush_early
 from oscar_jax.ring import ring_append_plan
-from pallas_kernels.decode_config import _pow2
+from pallas_kernels.decode.config import _pow2
 
 CACHE_FIELDS = ("k_res", "v_res", "k_codes", "k_scale", "k_zero", "k_norm",
                 "v_codes", "v_scale", "v_zero")  # fmt: skip

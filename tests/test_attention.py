@@ -92,8 +92,8 @@ class DecodeAttentionTest(parameterized.TestCase):
             oj.decode_attention(jnp.ones((2, 3, 64)), c)
         with self.assertRaisesRegex(ValueError, "batch=2"):
             oj.decode_attention(jnp.ones((1, 4, 64)), c)
-        with self.assertRaisesRegex(ValueError, "implementation='triton'"):
-            oj.decode_attention(jnp.ones((2, 4, 64)), c, implementation="triton")
+        with self.assertRaisesRegex(ValueError, r"implementation='cuda' must be one of .*'triton'"):
+            oj.decode_attention(jnp.ones((2, 4, 64)), c, implementation="cuda")
 
 
 if __name__ == "__main__":

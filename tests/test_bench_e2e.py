@@ -13,14 +13,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmarks")
-sys.path.insert(0, BENCH)
 
 
 def _start(script, out, args, env_extra=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1", **(env_extra or {}))
     env.pop("NCCL_NVLS_ENABLE", None)
-    cmd = [sys.executable, os.path.join(BENCH, script), "--tiny", "--out", str(out), *args]
+    module = "benchmarks." + script.removesuffix(".py")
+    cmd = [sys.executable, "-m", module, "--tiny", "--out", str(out), *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
 
@@ -166,7 +165,7 @@ def test_sharded_timings_and_capacity(runs):
 
 def test_plot_from_jsons(runs, tmp_path):
     pytest.importorskip("matplotlib")
-    import plot_e2e
+    from benchmarks import plot_e2e
 
     plot_e2e.main(["--e2e", os.path.join(runs["e2e"][3], "e2e.json"),
                    "--sharded", os.path.join(runs["sharded"][3], "sharded.json"),

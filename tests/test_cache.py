@@ -161,7 +161,7 @@ class MemoryTest(parameterized.TestCase):
 
 class ErrorTest(parameterized.TestCase):
     def test_config_errors_name_the_value(self):
-        with self.assertRaisesRegex(ValueError, r"self.bits=5"):
+        with self.assertRaisesRegex(ValueError, r"bits=5 must be one of 1, 2, 3, 4 or 8"):
             oj.preset("oscar", bits=5)
         with self.assertRaisesRegex(ValueError, r"group_size=24"):
             oj.preset("kivi", group_size=24)

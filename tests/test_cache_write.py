@@ -7,7 +7,7 @@ flushing this step (one at the last group of the quantized part), ring only, ful
 (append dropped, FLAG_OVERFLOW), empty, and a non-finite token. ``TestCacheWriteGPU``
 compiles through Triton (skipped without a GPU); ``TestCacheWriteInterpret`` runs the
 same cases in Pallas interpret mode on CPU. The models tests decode a tiny model with
-``encode_implementation="pallas"`` (the fused writes) against the default writes.
+``Backends(encode="triton", cache_write="triton")`` (the fused writes) against the default writes.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from flax import nnx
 
 import models
 import oscar_jax as oj
-from models import step as mstep
 from models.config import ModelConfig
 from oscar_jax import flush as ofl
 from oscar_jax.ring import append_to_ring
 from pallas_kernels import cache_write as cw
-from pallas_kernels import quantize as pq
+from pallas_kernels.quantize import triton as pq
 
 LENGTHS = (63, 40, 288, 0, 287, 127)  # flush; ring; full; empty; flush into the last group; flush
 MAX_LEN = 288  # R = G = 32: quantized capacity 256
@@ -163,7 +162,7 @@ def test_lowers_to_triton_with_aliased_cache(kw):
     assert text.count("output_operand_alias<") == len(cw.CACHE_FIELDS)
 
 
-# -- models: decode steps with encode_implementation="pallas" ------------------------
+# -- models: decode steps with the fused cache write -----------------------------------
 TINY = ModelConfig(
     family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
     num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=512,
@@ -180,9 +179,10 @@ def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None):
     for impl in ("xla", "pallas"):
         logits, caches, p = models.prefill(
             m, ids, kv, max_new_tokens=steps + 1, lengths=lengths, max_len=max_len, mesh=mesh,
-            cache_dtype="bfloat16", encode_implementation=impl,
+            cache_dtype="bfloat16",
+            implementation=models.Backends(encode=impl, cache_write=impl),
         )  # fmt: skip
-        assert mstep._fused_write(p.st, caches[0]) == (impl == "pallas")
+        assert models.fused_cache_write(p.st, caches[0]) == (impl == "pallas")
         if mesh is not None:  # the kernels run per device: nothing is gathered
             assert "all-gather(" not in mstep_jit_text(p, caches, lengths)
         out = [(logits, caches)]
@@ -197,12 +197,10 @@ def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None):
 
 def mstep_jit_text(p, caches, lengths) -> str:
     """The compiled decode step's HLO text."""
-    import sys
-
-    gen = sys.modules["models.generate"]
     tok = jnp.zeros((len(lengths),), jnp.int32)
     pos = jnp.asarray(lengths, jnp.int32)
-    return gen._step_jit.lower(p.st, p.decode_params, tuple(caches), tok, pos).compile().as_text()
+    step = models.step_program().lower(p.st, p.decode_params, tuple(caches), tok, pos)
+    return step.compile().as_text()
 
 
 def test_model_decode_fused_equals_xla_writes():
@@ -282,11 +280,13 @@ def test_fused_step_updates_caches_in_place():
     import test_inplace as ti
 
     kv = ti.KV["oscar"]
-    st = ti._static(kv)._replace(encode_implementation="pallas")
+    st = ti._static(kv)._replace(
+        backends=models.Backends.of("triton").replace(attention="xla", prompt_attention="reference")
+    )
     params, caches = ti._abstract(kv)
-    assert mstep._fused_write(st, caches[0])
+    assert models.fused_cache_write(st, caches[0])
     tok = jax.ShapeDtypeStruct((ti.B,), jnp.int32)
-    step = ti.GEN._step_jit_donated.lower(st, params, caches, tok, tok).compile()
+    step = models.step_program(donate=True).lower(st, params, caches, tok, tok).compile()
     found = ti.hc.whole_cache_copies(step.as_text(), ti.hc.cache_shapes(caches))
     assert not found, ti.hc.format_copies(found)
     assert step.memory_analysis().alias_size_in_bytes >= ti.memory.abstract_nbytes(caches)

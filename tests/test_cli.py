@@ -18,10 +18,10 @@ pytest.importorskip("safetensors")
 from tiny_hf import make_tiny_hf_dir  # noqa: E402
 
 import models  # noqa: E402
-from models import cli  # noqa: E402
-from models import eval_tasks as et  # noqa: E402
-from models import evaluate as ev  # noqa: E402
-from models.eval_common import make_windows  # noqa: E402
+import oscar_eval as ev  # noqa: E402
+from oscar_cli import cli  # noqa: E402
+from oscar_eval import tasks as et  # noqa: E402
+from oscar_eval.common import make_windows  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,6 +51,13 @@ def test_demo_then_eval(tiny_dir, tmp_path, capsys, monkeypatch):
                  "## Passkey retrieval", "## Token Norm Imbalance"):  # fmt: skip
         assert head in text, head
     assert "bf16 cache:" in text and "oscar2 cache:" in text
+    # what the user looks at: the sink verdict beside the norms, a legend, one precision
+    assert "attention sinks" in text or "low-norm sink keys" in text
+    assert "x: found, .: missed" in text
+    ppl_part = text.split("## Perplexity")[1].split("## Passkey")[0]
+    ppl_rows = [line.split("|") for line in ppl_part.splitlines()
+                if line.startswith("| bf16") or line.startswith("| oscar2")]  # fmt: skip
+    assert len(ppl_rows) == 2 and all(len(r[2].strip().split(".")[1]) == 2 for r in ppl_rows)
     row = next(line for line in text.splitlines() if line.startswith("| oscar2 (INT2"))
     held, ratio = int(row.split("|")[2]), float(row.split("|")[4])
     assert held > 0 and 1.5 < ratio < 5.3  # 519 tokens: about two thirds quantized
@@ -142,8 +149,8 @@ def test_errors_are_clear(tiny_dir, tmp_path, capsys, monkeypatch):
     assert e.value.code == 0 and "synthetic" in capsys.readouterr().out
 
 
-def test_python_dash_m_models():
-    r = subprocess.run([sys.executable, "-m", "models", "demo", "--help"], cwd=REPO,
+def test_python_dash_m_oscar_cli():
+    r = subprocess.run([sys.executable, "-m", "oscar_cli", "demo", "--help"], cwd=REPO,
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0 and "--model" in r.stdout and "proxy" in r.stdout
 
@@ -158,7 +165,7 @@ def _small(**kw):
 def test_eval_without_matplotlib_then_over_budget(tiny_dir, tmp_path, monkeypatch):
     """Without matplotlib the data of the plots are still written; a run whose budget is
     spent skips every unit, says so, and keeps what an earlier run wrote."""
-    from models import eval_tni
+    from oscar_eval import tni as eval_tni
 
     monkeypatch.setattr(eval_tni, "_pyplot", lambda: None)
     m = models.from_pretrained(tiny_dir)
@@ -200,3 +207,118 @@ def test_eval_batched_forms_equal_per_call_forms(tiny_dir, tmp_path):
     assert b["runs"][-1]["compile"]["precompile_failed"] == []
     with pytest.raises(ValueError, match="niah_group"):
         ev.run_eval(m, held, str(tmp_path / "c"), _small(niah_group="depth", **kw))
+
+
+def test_interrupted_eval_lists_what_finished(tiny_dir, tmp_path, monkeypatch):
+    """results.md is rewritten after every unit: a run stopped in its third unit lists the
+    two finished methods (their rows, not only their NLLs in results.json) and says it did
+    not finish; a run that ends lists them all and its wall time."""
+    m = models.from_pretrained(tiny_dir)
+    held = np.load(os.path.join(tiny_dir, "heldout_sample.npy"))
+    real = et._run_ppl
+
+    def run_ppl(c, mt):
+        if mt.name == "oscar2":
+            raise KeyboardInterrupt  # as a Ctrl-C (or a kill) in the middle of a unit
+        real(c, mt)
+
+    monkeypatch.setattr(et, "_run_ppl", run_ppl)
+    out = tmp_path / "e"
+    s = _small(methods="bf16,kivi2,oscar2", tasks="ppl", ppl_batch=2)
+    with pytest.raises(KeyboardInterrupt):
+        ev.run_eval(m, held, str(out), s, model_dir=tiny_dir)
+    md = (out / "results.md").read_text()
+    rows = [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["bf16", "kivi2"]  # header, then the finished methods
+    assert "?" not in md and "not finished" in md
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in saved["ppl"]] == ["bf16", "kivi2"]
+    assert saved["runs"][-1]["done"] is False and saved["runs"][-1]["wall_s"] > 0
+    monkeypatch.setattr(et, "_run_ppl", real)  # the same command again completes the table
+    ev.run_eval(m, held, str(out), s, model_dir=tiny_dir)
+    md = (out / "results.md").read_text()
+    rows = [line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ")]
+    assert rows[1:] == ["bf16", "kivi2", "oscar2"]
+    assert "not finished" not in md and " s wall," in md
+
+
+def test_eval_defaults_follow_the_model_and_quick_is_small():
+    p = cli._parser()
+    a = p.parse_args(["eval"])
+    assert a.ctx is None and a.niah_lengths is None
+    a.methods = "bf16"
+    s = cli._settings(a, 2048)
+    assert s.ctx == 2048 and max(s.niah_lengths) <= 2048
+    assert cli._settings(a, 32768).ctx == 4096
+    q = p.parse_args(["eval", "--quick"])
+    q.methods = "bf16"
+    s = cli._settings(q, 2048)
+    assert s.ctx == cli.QUICK_CTX and s.ppl_windows == 2 and s.niah_lengths == (512,)
+
+
+def test_plot_of_perplexity_only_says_there_is_nothing_to_plot(tmp_path, capsys):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"model": "m", "ppl": [{"method": "bf16", "ppl": 15.5}]}))
+    assert cli.main(["plot", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to plot" in err and "ppl" in err and "--tasks tni,niah" in err
+    assert not list(tmp_path.glob("*.png"))
+    assert cli.main(["plot", str(tmp_path / "none.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_demo_writes_outside_the_current_directory(tmp_path, monkeypatch, capsys):
+    from oscar_cli import demo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert demo.default_out() == str(tmp_path / "cache" / "oscar-jax" / "demo")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    out = demo.default_out()
+    assert os.path.isabs(out) and out != os.path.abspath("oscar-jax-demo")
+    assert out.endswith(os.path.join("oscar-jax", "demo"))
+    assert cli._parser().parse_args(["demo"]).out is None  # run_demo takes default_out()
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    assert out in " ".join(capsys.readouterr().out.split())
+    assert "NO attention sinks" in demo.sink_note(1.2) and "ACCURACY.md" in demo.sink_note(1.2)
+    assert "low-norm sink keys" in demo.sink_note(30.0)
+
+
+def _help(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_texts(capsys):
+    top = _help(["--help"], capsys)
+    assert "``" not in top and "demo" in top and "study" in top
+    study = _help(["study", "--help"], capsys)
+    assert study.startswith("usage: oscar-jax study") and "--tokens" in study
+    assert "``" not in study and "synthetic TNI study" in study
+    ev_help = " ".join(_help(["eval", "--help"], capsys).split())
+    assert "``" not in ev_help and "issue" not in ev_help
+    assert "bf16, kivi2, ots_only2" in ev_help and "max_position_embeddings" in ev_help
+    for q in ("eval", "demo"):
+        assert "``" not in _help([q, "--help"], capsys)
+    sub = {a.dest: a for a in cli._parser()._actions if a.dest == "cmd"}["cmd"].choices
+    for name in ("eval", "demo", "plot"):  # every option has a help text
+        missing = [a.dest for a in sub[name]._actions if not a.help]
+        assert not missing, (name, missing)
+
+
+def test_memory_and_models_commands(capsys, monkeypatch, tmp_path):
+    assert cli.main(["memory"]) == 0
+    out = capsys.readouterr().out
+    assert "| Llama-3.1-8B | 128K | 16.00 GiB | 3.082 GiB | 5.19x |" in out
+    assert cli.main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("smollm2", "qwen2.5-0.5b", "gemma3-270m"))
+    got = []
+    fake = tmp_path / "m.gguf"
+    monkeypatch.setattr(cli.fetch, "fetch", lambda name, cache_dir=None: got.append(name) or fake)
+    assert cli.main(["models", "fetch", "smollm2"]) == 0
+    assert got == ["smollm2"] and capsys.readouterr().out.strip() == str(fake)
+    assert cli.main(["models", "fetch"]) == 2  # no name: a clear error, not a traceback
+    assert "needs a name" in capsys.readouterr().err

@@ -15,9 +15,8 @@ from conftest import gpu_available
 from tolerances import tol
 
 import oscar_jax as oj
-import pallas_kernels  # noqa: F401  (registers implementation="pallas")
-from pallas_kernels import decode_config as pcfg
-from pallas_kernels import decode_partials as ppart
+from pallas_kernels.decode import config as pcfg
+from pallas_kernels.decode import partials as ppart
 
 
 def make_case(
@@ -65,23 +64,14 @@ CASES = {
         dict(method="kivi", d=64, gqa=8, h=1, lens=(517,)),
         dict(fuse_ring=False),
     ),
-    # value scales / zeros as 2-byte columns (the default reads uint32 pairs), 16-row ring
-    "int2_d128_gqa4_vcol_ring16": (
+    # value scales / zeros as 2-byte columns (the default reads uint32 pairs)
+    "int2_d128_gqa4_vcol": (
         dict(method="oscar", max_len=768),
-        dict(block_tokens=64, blocks_per_split=3, vparams="col", ring_rows=16),
+        dict(block_tokens=64, blocks_per_split=3, vparams="col"),
     ),
     "int2_d64_gqa8_vpair_f32norms": (  # float32 norms: token_split auto -> 1
         dict(method="oscar", d=64, gqa=8, h=1, lens=(517, 40), norm_dtype="float32"),
         dict(vparams="pair", num_warps=4),
-    ),
-    # opt-in: value parameters as one [G, D/Gv] tile per group (no re-pack outside)
-    "int2_d128_gqa4_vtile": (
-        dict(method="oscar", lens=(700, 33, 0), max_len=768),
-        dict(block_tokens=64, blocks_per_split=4, vparams="tile"),
-    ),
-    "int4_d256_gqa1_vtile_f32params": (
-        dict(method="oscar", bits=4, d=256, gqa=1, h=1, lens=(300,), param_dtype="float32"),
-        dict(vparams="tile"),
     ),
     # float32 scales / zeros: values in float32, two bfloat16 value dots (hi + lo); one
     # bfloat16 rounding of the parameters gave 2.1e-2 / 1.2e-2 on these two cases
@@ -121,10 +111,6 @@ CASES = {
     "kivi_int2_d64_gqa4_split2_vcol": (  # no rotation, unit norms; 2-byte value columns
         dict(method="kivi", d=64, h=1, lens=(517, 90)),
         dict(token_split=2, vparams="col"),
-    ),
-    "int2_d128_gqa2_split2_vtile": (
-        dict(method="oscar", gqa=2, h=1, lens=(300, 7)),
-        dict(token_split=2, vparams="tile"),
     ),
     "int2_d256_gqa4_split2_f16params": (
         dict(method="oscar", d=256, h=1, lens=(905, 131), param_dtype="float16"),
@@ -227,8 +213,6 @@ class TestDecodeKernelGPU:
             self.decode(q, cache, num_warps=3)
         with pytest.raises(ValueError, match="fuse_ring"):
             self.decode(q, cache, fuse_ring=1)
-        with pytest.raises(ValueError, match="ring_rows"):
-            self.decode(q, cache, ring_rows=64)  # does not divide the 160 ring slots
         c64 = oj.init_cache(
             oj.preset("oscar", bits=2, group_size=64),
             batch=1,
@@ -270,15 +254,11 @@ def test_heuristic_config():
     assert c.block_tokens % 32 == 0 and c.blocks_per_split >= 4
     c = pcfg.choose_config(1, 8, 131072, 32, block_tokens=256, interpret=True)
     assert c.block_tokens == 256
-    with pytest.raises(ValueError, match="ablate"):
-        pcfg.DecodeConfig(ablate="nope")
     with pytest.raises(ValueError, match="unpack"):
         pcfg.DecodeConfig(unpack="nope")
     for bad in (
         dict(vparams="nope"),
-        dict(ring_rows=24),
-        dict(ring_rows=8),
-        dict(ring_rows=-1),
+        dict(vparams="tile"),
         dict(token_split=3),
         dict(token_split=4),
         dict(token_split=-1),
@@ -290,7 +270,7 @@ def test_heuristic_config():
     ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             pcfg.DecodeConfig(**bad)
-    assert pcfg.DecodeConfig().vparams == "auto" and pcfg.DecodeConfig().ring_rows == 0
+    assert pcfg.DecodeConfig().vparams == "auto"
     assert pcfg.DecodeConfig().token_split == 0  # auto
 
     def split(bps=8, gqa=4, lq=1024, **kw):
@@ -304,15 +284,15 @@ def test_heuristic_config():
     assert split(gqa=16) == 1 and split(group_size=16) == 1
     assert split(norm_dtype="float32") == 1 and split(norm_dtype="float16") == 2
     assert pcfg.choose_config(1, 8, 131072, 32, interpret=True).num_warps == 2  # INT kernel
-    # INT blocks per split (decode_config docstring): one wave of 32 at 1 x 128K, 1 at
-    # 1 x 4K, 32 where full programs fill their last wave (8 x 32K, 8 x 33024: measured),
-    # the list-scheduling choice where they leave it ragged (48 x 4K, 24 x 8K: measured)
+    # INT blocks per split (the decode.config docstring): one wave of 32 at 1 x 128K, 1 at
+    # 1 x 4K, 32 where full programs fill their last wave (8 x 32K, 8 x 33024), the
+    # list-scheduling choice where they leave it ragged (48 x 4K, 24 x 8K); all timed
     shapes = ((1, 131072), (8, 32768), (8, 33024), (48, 4096), (24, 8192), (1, 4096))
     bps = [pcfg.choose_config(b, 8, n, 32, interpret=True).blocks_per_split for b, n in shapes]
     assert bps == [32, 32, 32, 16, 26, 1]
     rik = [pcfg.choose_config(b, 8, n, 32, interpret=True).rotate_in_kernel for b, n in shapes]
-    assert all(rik)  # with the Pallas merge: faster at every shape timed (session 16)
-    from pallas_kernels import decode_merge as dm
+    assert all(rik)  # with the Pallas merge: faster at every shape timed
+    from pallas_kernels.decode import merge as dm
 
     assert [dm.auto_cols(b, 8, 128) for b in (1, 4, 8, 48)] == [16, 16, 32, 32]
     assert dm.auto_cols(1, 1, 16 * 2) == 16  # never more than head_dim
@@ -327,8 +307,7 @@ def test_heuristic_config():
     [
         ("oscar", {}),
         ("oscar", {"fuse_ring": False}),
-        ("oscar", {"vparams": "col", "ring_rows": 16}),
-        ("oscar", {"vparams": "tile"}),
+        ("oscar", {"vparams": "col"}),
         ("oscar", {"token_split": 1}),
         ("oscar", {"rotate_in_kernel": True}),
         ("oscar", {"rotate_in_kernel": True, "merge": "xla"}),
@@ -354,7 +333,7 @@ def test_lowers_to_triton(method, opts):
 
 def test_pow2_scale():
     """The in-kernel un-rotation's row scaling: exact powers of two, rows moved to [1, 2)."""
-    from pallas_kernels.decode_tiles import pow2_scale
+    from pallas_kernels.decode.tiles import pow2_scale
 
     x = np.asarray([1e-7, 6e-5, 0.75, 1.0, 3.0, 1e30, 2.0**126], np.float32)
     up, down = (np.asarray(v) for v in pow2_scale(jnp.asarray(x)))

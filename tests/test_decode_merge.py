@@ -1,4 +1,4 @@
-"""The Pallas split merge (``decode_merge.merge``) against the XLA merge (``merge_splits``).
+"""The Pallas split merge (``decode.merge.merge``) against the XLA merge (``merge_splits``).
 
 Random partials (never zeros), every slot the INT kernel leaves unwritten filled with NaN,
 empty splits (m = NEG, l = 0) and rows with no split at all. ``TestMergeGPU`` compiles
@@ -14,8 +14,8 @@ from conftest import gpu_available
 from tolerances import tol
 
 from oscar_jax.cache import FLAG_NONFINITE, FLAG_OVERFLOW
-from pallas_kernels import decode_merge
-from pallas_kernels.decode_int import GP, NEG
+from pallas_kernels.decode import merge as decode_merge
+from pallas_kernels.decode.int_kernel import GP, NEG
 
 # (batch, kv heads, splits written incl. the ring, rows, sub-blocks, ring, head_dim, cols,
 #  chunk, warps)
@@ -50,7 +50,7 @@ def make_partials(b, h, ns, rows, sub, ring, d, cols=32, chunk=decode_merge.CHUN
     m = jnp.where(written, m, jnp.nan)
     lsum = jnp.where(written, lsum, jnp.nan)
 
-    def splits(x):  # as decode_partials.quantized_partials lays them out
+    def splits(x):  # as decode.partials.quantized_partials lays them out
         q = x[:, :, :nqs, : sub * rows].reshape(b, h, nqs * sub, rows, *x.shape[4:])
         return jnp.concatenate([q, x[:, :, nqs:ns, :rows]], axis=2) if ring else q
 

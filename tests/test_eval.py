@@ -13,8 +13,9 @@ from helpers import kv_with_sinks
 
 import models
 import oscar_jax as oj
-from models import eval_ppl, eval_tni
-from models.eval_common import (
+from oscar_eval import ppl as eval_ppl
+from oscar_eval import tni as eval_tni
+from oscar_eval.common import (
     DEFAULT_METHODS,
     ablation_methods,
     bootstrap_ppl,
@@ -137,8 +138,8 @@ def test_parallel_form_bf16_is_plain_causal_attention(tiny):
 
 
 def test_passkey_prompts_and_scorer_are_deterministic():
-    from models import eval_niah
-    from models.passkey import QUESTION, score_passkey
+    from oscar_eval import niah as eval_niah
+    from oscar_eval.passkey import QUESTION, score_passkey
 
     enc = lambda s: [1] + list(s.encode("utf-8"))  # byte-level ids with a BOS of 1
     a = eval_niah.build_prompts(enc, (300, 500), (0, 50, 100), 2, seed=7)
@@ -164,7 +165,7 @@ def test_passkey_prompts_and_scorer_are_deterministic():
 
 
 def test_make_encode_adds_bos_once():
-    from models.eval_niah import make_encode
+    from oscar_eval.niah import make_encode
 
     class Tok:
         def __init__(self, bos):
@@ -245,8 +246,9 @@ def test_tni_summary_and_int2_key_error_on_planted_sinks():
 def test_programs_compiled_ahead_are_the_ones_called(tiny, caplog):
     """``nll_program`` / ``generate_program`` / ``key_err_program`` compile what the later
     calls run: those calls compile nothing more (else the evaluation compiles twice)."""
-    from models import eval_niah, eval_programs
-    from models.generate import trace_count
+    from models import trace_count
+    from oscar_eval import niah as eval_niah
+    from oscar_eval import programs as eval_programs
 
     kv = _kv("oscar2_pertoken")
     ids = np.random.default_rng(3).integers(0, 256, (3, T)).astype(np.int32)
@@ -275,7 +277,7 @@ def test_programs_compiled_ahead_are_the_ones_called(tiny, caplog):
 
 
 def test_budget_skips_what_would_not_finish():
-    from models.eval_programs import Budget
+    from oscar_eval.programs import Budget
 
     b = Budget(None)
     assert b.allows("ppl", "x") and not b.skipped
@@ -296,7 +298,7 @@ def test_budget_skips_what_would_not_finish():
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
 def test_resolve_without_perplexity_windows(monkeypatch, backend):
     """--tasks niah (no windows) must not fail the perplexity batch check (it did on the GPU)."""
-    from models import evaluate
+    from oscar_eval import runner as evaluate
 
     monkeypatch.setattr(evaluate.jax, "default_backend", lambda: backend)
     batch, group = evaluate._resolve(evaluate.Settings(), 0)
@@ -305,3 +307,18 @@ def test_resolve_without_perplexity_windows(monkeypatch, backend):
     assert evaluate._resolve(evaluate.Settings(), 31)[0] == (1 if backend == "cpu" else 31)
     with pytest.raises(ValueError, match="ppl_batch"):
         evaluate._resolve(evaluate.Settings(ppl_batch=0), 31)
+
+
+def test_default_context_is_the_models_capped_at_4096():
+    """ctx / niah_lengths of None follow max_position_embeddings (no extrapolated positions)."""
+    from oscar_eval.settings import Settings
+
+    s = Settings().resolve(2048)  # the bundled proxy's training context
+    assert s.ctx == 2048 and s.niah_lengths == (512, 1024, 2048)
+    s = Settings().resolve(131072)
+    assert s.ctx == 4096 and s.niah_lengths == (512, 1024, 2048, 4096)
+    assert Settings().resolve(300).niah_lengths == (300,)
+    s = Settings(ctx=8192, niah_lengths=(8192,)).resolve(2048)  # asked for: kept (and noted)
+    assert s.ctx == 8192 and s.niah_lengths == (8192,)
+    with pytest.raises(ValueError, match="ctx="):
+        Settings(ctx=1).resolve(2048)

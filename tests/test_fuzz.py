@@ -327,7 +327,7 @@ def test_xla_and_pallas_agree(bits, method, lengths, exp, pattern, seed):
     op = oj.decode_attention(q, cx, implementation="pallas")
     assert finite(ox) and finite(op)
     ref = float(jnp.max(jnp.abs(vx))) or 1.0  # relative to the values' magnitude
-    # the kernel's MMA operands are 16-bit (pallas_kernels/decode_int.py): float16 tolerance
+    # the kernel's MMA operands are 16-bit (pallas_kernels/decode/int_kernel.py): float16 tolerance
     assert float(jnp.max(jnp.abs(op - ox))) <= tol(jnp.float16)["max_rel"] * ref
 
 

@@ -9,7 +9,6 @@ clean one (or the model by the clean model).
 from __future__ import annotations
 
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,9 @@ import models
 import oscar_jax as oj
 from models import stopping
 
-GEN = sys.modules["models.generate"]  # the module (models.generate is the function)
+GEN = models  # trace_count, describe_stops
+from models import stopping as STOP  # noqa: E402
+
 CFG = models.ModelConfig(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
     num_kv_heads=2, head_dim=16,
@@ -88,7 +89,7 @@ def test_capacity_stops_the_row_and_nothing_else():
     # row 0: 40 prompt tokens (16 of them in the INT2 part) + 4 appends fill the 44 slots;
     # the 5th append (token 4) overflows, so token 5 would come from a cache without
     # token 4: pads from there on
-    assert info["stop_reason"].tolist() == [GEN.STOP_CAPACITY, GEN.STOP_NONE]
+    assert info["stop_reason"].tolist() == [STOP.STOP_CAPACITY, STOP.STOP_NONE]
     assert info["num_tokens"].tolist() == [5, N_NEW]
     assert info["done"].tolist() == [True, False]
     assert info["flags"].tolist() == [oj.FLAG_OVERFLOW, 0]
@@ -136,7 +137,7 @@ def test_stop_token_is_the_reason_even_if_padding_overflows_later():
     j = next(i for i in range(1, 5) if ref[0, i] not in ref[0, :i])
     stop = int(ref[0, j])
     out, info = _gen(m, ids, np.array([T, 20]), max_len=CAP, stop_tokens=(stop,))
-    assert info["stop_reason"][0] == GEN.STOP_TOKEN and info["num_tokens"][0] == j + 1
+    assert info["stop_reason"][0] == STOP.STOP_TOKEN and info["num_tokens"][0] == j + 1
     assert out[0, j] == stop and np.all(out[0, j + 1 :] == PAD)
     # the pads fed after the stop still fill the cache: the flag shows, the reason does not
     assert info["flags"][0] & oj.FLAG_OVERFLOW
@@ -171,7 +172,7 @@ def test_nonfinite_row_stops_and_does_not_spread(mid_decode):
     ids, lengths, tok, j = _poison_choice(mid_decode)
     clean, cinfo = _gen(clean_model(), ids, lengths, stop_tokens=())
     bad, info = _gen(_model(poison=tok), ids, lengths, stop_tokens=())
-    assert info["stop_reason"].tolist() == [GEN.STOP_NONFINITE, GEN.STOP_NONE]
+    assert info["stop_reason"].tolist() == [STOP.STOP_NONFINITE, STOP.STOP_NONE]
     assert info["flags"][0] & oj.FLAG_NONFINITE and info["flags"][1] == 0
     n0 = 0 if j is None else j + 1  # prompt: nothing valid; mid-decode: up to the bad token
     assert info["num_tokens"].tolist() == [n0, N_NEW]
@@ -193,8 +194,8 @@ def test_sharded_generate_stops_alike():
     want, winfo = _gen(m, ids, lengths, max_len=CAP, stop_tokens=())
     got, info = _gen(m, ids, lengths, max_len=CAP, stop_tokens=(), mesh=mesh)
     reasons = winfo["stop_reason"].tolist()
-    assert reasons[0] == GEN.STOP_NONFINITE and reasons[1] == GEN.STOP_CAPACITY
-    assert GEN.STOP_NONE in reasons
+    assert reasons[0] == STOP.STOP_NONFINITE and reasons[1] == STOP.STOP_CAPACITY
+    assert STOP.STOP_NONE in reasons
     np.testing.assert_array_equal(got, want)
     for k in ("stop_reason", "num_tokens", "done", "flags", "cache_lengths"):
         np.testing.assert_array_equal(info[k], winfo[k], err_msg=k)

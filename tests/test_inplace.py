@@ -15,25 +15,19 @@ The early, batched flush (``oscar_jax.flush``) gives ``append``'s caches bit for
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import models
 import oscar_jax as oj
+from benchmarks import hlo_copies as hc  # noqa: E402
 from models import layers, memory
 from models.config import ModelConfig
 from oscar_jax import flush as ofl
 from oscar_jax.ring import append_to_ring
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import hlo_copies as hc  # noqa: E402
-
-GEN = importlib.import_module("models.generate")  # the module (models.generate is a function)
 CFG = ModelConfig(
     family="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3,
     num_heads=8, num_kv_heads=4, head_dim=32, max_position_embeddings=2048,
@@ -48,10 +42,10 @@ KV = {
 
 
 def _static(kv):
-    return GEN.Static(
-        model=CFG, kv=kv, max_len=MAX_LEN, cache_dtype="float32", implementation="xla",
-        encode_implementation="xla", greedy=True, top_k=None, use_top_p=False, stop_tokens=(),
-        pad_id=0,
+    return models.Static(
+        model=CFG, kv=kv, max_len=MAX_LEN, cache_dtype="float32",
+        backends=models.Backends(prompt_attention="reference"), greedy=True, top_k=None,
+        use_top_p=False, stop_tokens=(), pad_id=0,
     )  # fmt: skip
 
 
@@ -67,7 +61,8 @@ def _abstract(kv, cfg=CFG, per_layer=True):
 def test_decode_step_writes_no_whole_cache(method):
     params, caches = _abstract(KV[method])
     tok = jax.ShapeDtypeStruct((B,), jnp.int32)
-    step = GEN._step_jit_donated.lower(_static(KV[method]), params, caches, tok, tok).compile()
+    prog = models.step_program(donate=True)
+    step = prog.lower(_static(KV[method]), params, caches, tok, tok).compile()
     shapes = hc.cache_shapes(caches)
     if method == "oscar_r0":  # R = 0: the ring is one group (G slots), a flush rewrites it
         shapes.discard(caches[0].k_res.shape)
@@ -86,7 +81,7 @@ def test_decode_step_reads_weights_in_place(method):
     found = {}
     for per_layer in (False, True):
         params, caches = _abstract(KV[method], per_layer=per_layer)
-        step = GEN._step_jit_donated.lower(_static(KV[method]), params, caches, tok, tok)
+        step = models.step_program(donate=True).lower(_static(KV[method]), params, caches, tok, tok)
         found[per_layer] = hc.whole_cache_copies(step.compile().as_text(),
                                                  hc.weight_shapes(params))  # fmt: skip
     lay = layers.param_shapes(CFG, per_layer=True)["layers"][0]
@@ -107,7 +102,7 @@ def test_decode_step_temp_does_not_grow_with_layers(method, per_layer):
         st = _static(KV[method])._replace(model=cfg)
         params, caches = _abstract(KV[method], cfg, per_layer)
         tok = jax.ShapeDtypeStruct((B,), jnp.int32)
-        step = GEN._step_jit_donated.lower(st, params, caches, tok, tok).compile()
+        step = models.step_program(donate=True).lower(st, params, caches, tok, tok).compile()
         temps.append(step.memory_analysis().temp_size_in_bytes)
     assert temps[1] <= 1.1 * temps[0] + (1 << 20), temps
 
@@ -119,7 +114,7 @@ def test_generate_loop_writes_no_whole_cache(method):
     ids = jax.ShapeDtypeStruct((B, 128), jnp.int32)  # T = 128: no shape shared with a cache
     args = (params, ids, jax.ShapeDtypeStruct((B,), jnp.int32), scalar(jax.random.key(0).dtype),
             scalar(jnp.float32), scalar(jnp.float32))  # fmt: skip
-    text = GEN._generate_jit.lower(_static(KV[method]), 8, *args).compile().as_text()
+    text = models.generate_program().lower(_static(KV[method]), 8, *args).compile().as_text()
     loops = hc.loop_computations(text)
     assert loops  # the lax.scan over new tokens
     shapes = hc.cache_shapes(caches) | hc.weight_shapes(params)

@@ -10,8 +10,6 @@ step reads the per-layer weights without copies.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -23,13 +21,11 @@ from jax.sharding import PartitionSpec as P
 
 import models
 import oscar_jax as oj
-from models import layers, step
+from benchmarks import e2e_common as ec  # noqa: E402
+from benchmarks import e2e_fill as ef  # noqa: E402
+from models import forward, layers
 from models import sharding as msh
 from models.config import ModelConfig
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-import e2e_common as ec  # noqa: E402
-import e2e_fill as ef  # noqa: E402
 
 CFG = ModelConfig(
     family="qwen3", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -81,8 +77,8 @@ def test_unstack_layers_slices_each_layer():
     assert u["embed"] is p["embed"]  # the rest is shared, not copied
     _leaves_equal(layers.stack_layers(u), p)
     assert layers.stack_layers(p) is p
-    assert step.layer_params(u, 1) is u["layers"][1]
-    _leaves_equal(step.layer_params(p, 1), u["layers"][1])
+    assert forward.layer_params(u, 1) is u["layers"][1]
+    _leaves_equal(forward.layer_params(p, 1), u["layers"][1])
 
 
 def _leaves_close(a, b):  # [out, in] weights sum the dot in another order: not bit-equal
@@ -138,10 +134,9 @@ def test_generate_runs_on_decode_params():
     assert (KV.rotation, KV.rotation_seed) not in m._folded
     logits, caches, p = models.prefill(m, ids, KV, max_new_tokens=6, stop_tokens=())
     assert p.decode_params is m.decode_params(KV)
-    gen = sys.modules["models.generate"]
     tok = jnp.asarray(out[:, 0])
-    a = gen._step_jit(p.st, p.decode_params, caches, tok, p.lengths)[0]
-    b = gen._step_jit(p.st, p.params, caches, tok, p.lengths)[0]  # stacked: slices
+    a = models.step_program()(p.st, p.decode_params, caches, tok, p.lengths)[0]
+    b = models.step_program()(p.st, p.params, caches, tok, p.lengths)[0]  # stacked: slices
     _leaves_close(a, b)
     assert not isinstance(p.params["layers"], tuple)
 

@@ -189,13 +189,15 @@ def test_generate_with_fast_prompt_attention():
     ids, lens = random_ids(2, 20, 3), np.array([20, 13])
     kw = dict(lengths=lens, stop_tokens=(), kv=oj.preset("oscar", bits=2, **SMALL))
     ref = np.asarray(models.generate(m, ids, 6, **kw))
-    fast = np.asarray(models.generate(m, ids, 6, prompt_attention="xla", **kw))
+    be = models.Backends(prompt_attention="xla")
+    fast = np.asarray(models.generate(m, ids, 6, implementation=be, **kw))
     np.testing.assert_array_equal(fast, ref)
     with pytest.raises(ValueError, match="prompt_attention"):
-        models.generate(m, ids, 2, prompt_attention="flash", **kw)
+        models.generate(m, ids, 2, implementation=models.Backends(prompt_attention="flash"), **kw)
     if not oj.gpu_available():
         with pytest.raises(ValueError, match="needs a GPU"):
-            models.generate(m, ids, 2, prompt_attention="cudnn", **kw)
+            be = models.Backends(prompt_attention="cudnn")
+            models.generate(m, ids, 2, implementation=be, **kw)
 
 
 def test_auto_prompt_attention_resolves():

@@ -180,13 +180,13 @@ def _numpy_checkpoint(d, sharded=False, **cfg_kw):
     from safetensors.numpy import save_file
 
     from models import layers
-    from models.loading import _expected_names
+    from models.loading import expected_hf_names
 
     _write_config(d, **cfg_kw)
     cfg = models.load_config(str(d))
     shapes = layers.param_shapes(cfg)
     tensors = {}
-    for hf, (key, i, tr) in _expected_names(cfg).items():
+    for hf, (key, i, tr) in expected_hf_names(cfg).items():
         shape = shapes[key] if i is None else shapes["layers"][key][1:]
         shape = tuple(shape[::-1]) if tr else tuple(shape)
         tensors[hf] = np.full(shape, 0.01, np.float32)

@@ -2,12 +2,9 @@
 benchmarks/profile_step.py (a decode step's GPU kernels grouped by kind) and
 benchmarks/sass_offline.py (SASS counts without a GPU)."""
 
-import os
 import sys
 
 import pytest
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import ncu_kernels  # noqa: E402
 

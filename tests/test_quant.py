@@ -4,6 +4,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from absl.testing import parameterized
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -168,3 +169,25 @@ class ScalingTest(parameterized.TestCase):
         np.testing.assert_array_equal(np.asarray(got)[mask], np.asarray(want)[mask])
         for bad in (0.0, np.inf, np.nan):  # no norm, an overflowed one, a NaN key: r = 0
             np.testing.assert_array_equal(quant.scaled_reciprocal(jnp.full(2, bad), 1.0), 0.0)
+
+
+def test_config_errors_speak_to_users():
+    """A bad bit width names what each method takes; bf16 takes no bits; no ``self.``."""
+    with pytest.raises(
+        ValueError, match=r"bits=5 must be one of 1, 2, 3, 4 or 8 for method 'oscar'"
+    ):
+        oj.preset("oscar", bits=5)
+    with pytest.raises(
+        ValueError, match=r"bits=2 must not be given for method 'bf16'.*unquantized"
+    ):
+        oj.preset("bf16", bits=2)
+    with pytest.raises(ValueError, match=r"bits=2 must not be given for method 'bf16'"):
+        oj.KVQuantConfig(method="bf16", bits=2)
+    assert oj.preset("bf16", bits=16) == oj.preset("bf16")
+    for bad in (dict(bits=5), dict(group_size=24), dict(residual_length=100), dict(rotation="x")):
+        with pytest.raises(ValueError) as e:
+            oj.preset("kivi", **bad)
+        assert "self." not in str(e.value) and f"{next(iter(bad))}=" in str(e.value)
+    c = oj.init_cache(oj.preset("oscar"), batch=1, max_len=256, num_kv_heads=1, head_dim=128)
+    with pytest.raises(ValueError, match=r"implementation='cuda' must be one of .*'pallas'.*'xla'"):
+        oj.decode_attention(jnp.zeros((1, 1, 128)), c, implementation="cuda")

@@ -1,11 +1,11 @@
-"""The fused Pallas encoder (``pallas_kernels.quantize``) against ``encode_*_xla``.
+"""The fused Pallas encoder (``pallas_kernels.quantize.triton``) against ``encode_*_xla``.
 
 ``TestQuantizeKernelGPU`` compiles through Triton (skipped without a GPU);
 ``TestQuantizeKernelInterpret`` runs the same cases in Pallas interpret mode.
 Inputs are fresh random keys/values with massive channels and low-norm sink tokens;
 token counts are not multiples of the kernel's block (groups_per_block groups).
 
-Agreement, measured (see benchmarks/results/quantize.md):
+Agreement:
 * interpret mode on CPU vs XLA on CPU: codes, scales, zeros and norms bit-identical in
   every case below; the bound allows 1e-4 of codes off by one (a reduction order
   that moves a value across an exact rounding tie) and 1 ulp on scales/zeros/norms.
@@ -30,10 +30,9 @@ from helpers import kv_with_sinks
 from tolerances import QUANT_CODES_OFF_BY_ONE, QUANT_PARAM_ULPS
 
 import oscar_jax as oj
-import pallas_kernels  # noqa: F401  (registers implementation="pallas")
 from benchmarks.bench_quantize import ulp_dist
-from pallas_kernels import quantize as pq
-from pallas_kernels import quantize_rotation as qr
+from pallas_kernels.quantize import rotation as qr
+from pallas_kernels.quantize import triton as pq
 
 # name: (preset, preset overrides, D, T, input dtype, kernel options)
 CASES = {
@@ -332,10 +331,9 @@ class TestQuantizeKernelAPI:
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_array_equal(a, b)
 
-    def test_registered(self):
-        from oscar_jax import codec
-
-        assert codec.lookup(codec._ENCODERS, "pallas", "encoding") is pq.encode
+    def test_table_names_the_kernel(self):
+        assert oj.backends.resolve("encode", "triton") is pq.encode
+        assert oj.backends.resolve("encode", "pallas") is pq.encode  # the alias
 
 
 @pytest.mark.parametrize("rotation", ["hadamard", "randomized_hadamard"])
@@ -372,11 +370,11 @@ def _round_f32(x: Fraction) -> Fraction:
 
 
 def test_newton_reciprocal_rounds_every_float16_like_ieee():
-    """The arithmetic of ``quantize_numerics.newton_rcp_asm``, exactly: from an approximate
+    """The arithmetic of ``numerics.newton_rcp_asm``, exactly: from an approximate
     reciprocal up to 1 float32 ulp off either way (rcp.approx's bound), e = RN(1 - x y) and
     RN(y + y e) give the correctly rounded 1 / x for every positive finite float16 x. That
     covers every significand of at most 11 bits, and the arithmetic is scale-invariant
-    while 1 / x is normal: so also the bfloat16 norms that ``quantize_numerics._recip``
+    while 1 / x is normal: so also the bfloat16 norms that ``numerics._recip``
     inverts (prescaled into [2^-100, 2^124))."""
     h = np.arange(1, 0x7C00, dtype=np.uint16)
     xs = h.view(np.float16).astype(np.float64)

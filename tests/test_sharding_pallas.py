@@ -19,11 +19,11 @@ from tolerances import tol
 
 import models
 import oscar_jax as oj
-import pallas_kernels  # noqa: F401  (registers implementation="pallas")
+from benchmarks.sharded_check import aligned_impl
 from models.config import ModelConfig
 from oscar_jax import sharding as osh
-from pallas_kernels import decode_config as pcfg
-from pallas_kernels import decode_partials as ppart
+from pallas_kernels.decode import config as pcfg
+from pallas_kernels.decode import partials as ppart
 
 B, H, GQA = 4, 4, 4
 MAX_LEN = 64 + 256  # R = 64: quantized capacity 256 = 2 sequence shards x 128 tokens
@@ -76,7 +76,7 @@ def test_sharded_pallas_equals_unsharded(mesh_shape, d, bits, split):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert bool(jnp.all(jnp.isfinite(out)))
     ref = oj.decode_attention(q, cache)  # unsharded XLA reference
-    # the kernel's key MMA is float16 (pallas_kernels/decode_int.py): float16 tolerance
+    # the kernel's key MMA is float16 (pallas_kernels/decode/int_kernel.py): float16 tolerance
     assert max_rel(out, ref) <= tol(jnp.float16)["max_rel"]
     # the same kernel unsharded (ring in XLA, as here): a row within shard 0 walks the same
     # blocks in one split, so only float32 merge order differs; a row over both shards also
@@ -140,11 +140,10 @@ def tiny_model():
     return m
 
 
-def test_generate_with_mesh_and_pallas(monkeypatch):
+def test_generate_with_mesh_and_pallas():
     traced = []  # the sharded step really calls the kernel's partial (counted while tracing)
-    kernel = oj.attention.lookup_quantized_partial("pallas")
+    kernel = oj.backends.resolve("quantized_partial", "triton")
     spy = lambda *a, **k: traced.append(1) or kernel(*a, **k)  # noqa: E731
-    monkeypatch.setitem(oj.attention._PARTIALS, "pallas", spy)
     kv = oj.preset("oscar", bits=2, residual_length=32, group_size=32)
     ids = np.random.default_rng(1).integers(0, CFG.vocab_size, (4, 200)).astype(np.int32)
     kw = dict(kv=kv, lengths=GEN_LENGTHS, max_len=GEN_MAX_LEN, stop_tokens=())
@@ -153,7 +152,8 @@ def test_generate_with_mesh_and_pallas(monkeypatch):
     # ~1e-3), while sharded and unsharded kernel runs differ by ~1e-3 (measured)
     ref = np.asarray(models.generate(tiny_model(), ids, N_NEW, implementation="pallas", **kw))
     mesh = make_mesh((1, 2, 2))
-    out = models.generate(tiny_model(), ids, N_NEW, implementation="pallas", mesh=mesh, **kw)
+    be = models.Backends.of("triton").replace(attention=spy)  # the partial, called per shard
+    out = models.generate(tiny_model(), ids, N_NEW, implementation=be, mesh=mesh, **kw)
     np.testing.assert_array_equal(np.asarray(out), ref)
     assert traced
     with pytest.raises(ValueError, match="implementation='nope'"):
@@ -164,11 +164,6 @@ def test_aligned_splits_match_one_device():
     """bench_sharded's greedy check: with one block per split (``aligned_impl``) every split
     of the one-device kernel reads the tokens of one shard's split, so sharded and one-device
     outputs differ only by the float32 merge order (rows over both shards included)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
-    from sharded_check import aligned_impl
 
     mesh = make_mesh((1, 1, 2))
     cache, q = make_cache(7, 64)
@@ -183,5 +178,5 @@ def test_aligned_splits_match_one_device():
     with pytest.raises(ValueError, match="aligned splits"):
         osh.sharded_decode_attention(q, osh.shard_cache(cache, mesh), mesh,
                                      implementation=aligned_impl("pallas", 3), **OPTS)  # fmt: skip
-    with pytest.raises(ValueError, match="must be 'pallas'"):
+    with pytest.raises(ValueError, match="must be 'triton'"):
         aligned_impl("xla", 1)

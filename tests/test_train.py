@@ -1,4 +1,4 @@
-"""Proxy-model training (issue #6): passkey documents, corpus files, batches, training runs
+"""Proxy-model training: passkey documents, corpus files, batches, training runs
 that are deterministic and resume bit-exactly, the Hugging Face export, sink metrics, and
 the committed checkpoint's reference logits."""
 
@@ -13,9 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import passkey
+import oscar_proxy
+from oscar_eval import passkey
 
-PROXY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models", "proxy")
+PROXY = oscar_proxy.BUNDLED
 
 
 # -- passkey ----------------------------------------------------------------------------
@@ -110,7 +111,7 @@ def tiny_corpus() -> str:
     import tempfile
 
     pytest.importorskip("tokenizers", reason="the corpus needs tokenizers (the [hf] extra)")
-    from models import corpus
+    from oscar_proxy import corpus
 
     d = tempfile.mkdtemp(prefix="proxy_corpus_")
     train, held = _texts(0, 120), _texts(1, 12)
@@ -123,7 +124,7 @@ def tiny_corpus() -> str:
 
 
 def test_corpus_files_round_trip_and_hash_check(tmp_path):
-    from models import corpus
+    from oscar_proxy import corpus
 
     d = tiny_corpus()
     ids, starts = corpus.load_split(d, "train")
@@ -158,8 +159,8 @@ def test_passkey_pieces_tokenize_as_their_concatenation():
 
 
 def test_batches_deterministic_rows_start_with_bos():
-    from models import corpus
-    from models.train_data import Batches
+    from oscar_proxy import corpus
+    from oscar_proxy.data import Batches
 
     ids, starts = corpus.load_split(tiny_corpus(), "train")
     mk = lambda: Batches(ids, starts, 128, 8, 5, 0.25, _tok(), 0, 1)
@@ -183,7 +184,7 @@ TINY = ["--hidden", "32", "--layers", "2", "--heads", "2", "--kv-heads", "1", "-
 
 
 def _train(tmp, name, *extra):
-    from models import train
+    from oscar_proxy import train
 
     state = os.path.join(tmp, name)
     train.main(["--data", tiny_corpus(), "--state-dir", state, *TINY, *extra])
@@ -244,8 +245,8 @@ def test_export_loads_in_ours_and_transformers(tmp_path_factory):
 # -- sink metrics -----------------------------------------------------------------------
 def test_sink_metrics_match_a_direct_computation():
     from models import layers
-    from models.sinks import format_table, sink_metrics
-    from models.train_model import Recipe, init_params, model_config
+    from oscar_eval.sinks import format_table, sink_metrics
+    from oscar_proxy.model import Recipe, init_params, model_config
 
     r = Recipe(hidden=32, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=48)
     cfg = model_config(r, 64, 0, 1)

@@ -3,7 +3,7 @@
 config.json + model.safetensors (numpy-written, HF tensor names) + tokenizer.json
 (a byte-level BPE trained with ``tokenizers`` on the passkey filler text, with
 <bos> = 0 and <eos> = 1) + heldout_sample.npy (uint16 ids, documents starting
-with BOS), the layout of the bundled ``models/proxy/``. No torch needed.
+with BOS), the layout of the bundled ``oscar_proxy/bundled/``. No torch needed.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 
 
 def _corpus(rng: np.random.Generator, n_docs: int) -> list[str]:
-    from models.passkey import FILLER, PREAMBLE, QUESTION
+    from oscar_eval.passkey import FILLER, PREAMBLE, QUESTION
 
     docs = []
     for i in range(n_docs):
@@ -31,7 +31,7 @@ def make_tiny_hf_dir(path, *, seed: int = 0, scale: float = 4.0, head_dim: int =
 
     import models
     from models import layers
-    from models.loading import _expected_names
+    from models.loading import expected_hf_names
 
     path = str(path)
     os.makedirs(path, exist_ok=True)
@@ -59,7 +59,7 @@ def make_tiny_hf_dir(path, *, seed: int = 0, scale: float = 4.0, head_dim: int =
     mc = models.load_config(path)
     shapes = layers.param_shapes(mc)
     tensors = {}
-    for hf, (key, i, tr) in sorted(_expected_names(mc).items()):
+    for hf, (key, i, tr) in sorted(expected_hf_names(mc).items()):
         shape = shapes[key] if i is None else shapes["layers"][key][1:]
         shape = tuple(shape[::-1]) if tr else tuple(shape)
         if "norm" in key:

@@ -1,0 +1,174 @@
+"""Needle in a haystack: passkey exact-match rate by context length and needle depth.
+
+Prompts come from ``oscar_eval.passkey.passkey_prompt`` with one generator per cell,
+``np.random.default_rng((seed, length, depth_percent, trial))``, so a cell's
+prompts do not depend on which other cells run (the demo's few prompts are the
+full grid's) and every method sees the same prompts. The seed defaults to one
+that the training corpus does not use. Each method decodes greedily through
+its real cache (``models.generate``: full-precision prefill, then every new
+token appends to the quantized cache and attends to it), the prompts of one
+length (or of all lengths: ``groups``) batched over depths and trials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+import models
+from models import bucket_length, generate
+from models.model import CausalLM
+from oscar_eval.common import Method, Progress, wilson
+from oscar_eval.passkey import passkey_prompt, score_passkey
+
+NIAH_SEED = 918_273  # not a seed of the training corpus (which draws from its own seeds)
+LENGTHS = (512, 1024, 2048, 4096)
+DEPTHS = tuple(range(0, 101, 10))  # percent
+
+
+def make_encode(tokenizer, bos: int | None) -> Callable[[str], list[int]]:
+    """Text -> ids as the model saw them in training: BOS first (added if the tokenizer won't)."""
+
+    def encode(text: str) -> list[int]:
+        ids = list(tokenizer.encode(text).ids)
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
+        return ids
+
+    return encode
+
+
+def build_prompts(encode, lengths, depths, trials: int, seed: int = NIAH_SEED) -> list[dict]:
+    """One dict per (length, depth %, trial): ids, answer, length, depth."""
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"{trials=} must be a positive int")
+    out = []
+    for n in lengths:
+        for d in depths:
+            if not 0 <= d <= 100:
+                raise ValueError(f"depth={d} must be a percentage in [0, 100]")
+            for i in range(trials):
+                rng = np.random.default_rng((seed, int(n), int(d), i))
+                ids, ans = passkey_prompt(encode, int(n), d / 100.0, rng)
+                out.append(dict(ids=ids, answer=ans, length=int(n), depth=int(d), trial=i))
+    return out
+
+
+def groups(prompts: list[dict], group: str = "length") -> list[list[dict]]:
+    """Prompts run together: one group per nominal length ("length"), or one ("all").
+
+    "all" pads every prompt to the longest bucket: one program per method instead of
+    one per (method, length), at the price of computing short prompts at full length
+    (the better trade on a GPU, where compiling dominates; not on a CPU).
+    """
+    if group not in ("length", "all"):
+        raise ValueError(f"{group=} must be 'length' or 'all'")
+    if group == "all":
+        return [list(prompts)]
+    lengths = sorted({p["length"] for p in prompts})
+    return [[p for p in prompts if p["length"] == n] for n in lengths]
+
+
+def _batches(m, prompts, batch, max_new):
+    """(ids [batch, longest], lengths [batch], rows, max_len) per batch of one group, the
+    last padded by repetition (the same shapes for every batch: one compilation)."""
+    batch = len(prompts) if batch is None else batch
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"{batch=} must be a positive int or None (all prompts at once)")
+    longest = max(len(p["ids"]) for p in prompts)
+    max_len = bucket_length(longest) + max_new
+    for i in range(0, len(prompts), batch):
+        part = prompts[i : i + batch]
+        k = len(part)
+        part = part + [part[-1]] * (batch - k)
+        ids = np.zeros((batch, longest), np.int32)
+        lens = np.array([len(p["ids"]) for p in part], np.int32)
+        for r, p in enumerate(part):
+            ids[r, : lens[r]] = p["ids"]
+        yield ids, lens, k, max_len
+
+
+def generate_program(m, prompts, kv, batch, max_new, stop_tokens=None, cache_dtype=None):
+    """A thunk compiling the ``generate`` program of one group (``_run_group``'s shapes)
+    ahead of use (``oscar_eval.programs.Precompiler``)."""
+    ids, lens, _, max_len = next(_batches(m, prompts, batch, max_new))
+    p = models.prepare(m, ids, max_new_tokens=max_new, kv=kv, lengths=lens, max_len=max_len,
+                       cache_dtype=cache_dtype, stop_tokens=stop_tokens)  # fmt: skip
+    return lambda: models.lower_generate(p, max_new).compile()
+
+
+def _run_group(m, prompts, kv, batch, max_new, decode, stop_tokens, cache_dtype):
+    """Greedy answers of a group of prompts; returns [bool] exact matches."""
+    hits = []
+    for ids, lens, k, max_len in _batches(m, prompts, batch, max_new):
+        out = np.asarray(generate(m, ids, max_new, kv=kv, lengths=lens, max_len=max_len,
+                                  stop_tokens=stop_tokens, cache_dtype=cache_dtype))  # fmt: skip
+        for r in range(k):
+            hits.append(bool(score_passkey(decode(out[r]), prompts[len(hits)]["answer"])))
+    return hits
+
+
+def niah_method(
+    m: CausalLM, mt: Method, prompts: list[dict], decode: Callable, *, batch: int | None = None,
+    max_new_tokens: int = 8, stop_tokens=None, cache_dtype=None, group: str = "length",
+    progress: Progress | None = None,
+) -> list[dict]:  # fmt: skip
+    """The prompts of one method, each with ``hit`` (exact match), in the prompts' order."""
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    res = {}
+    for g in groups(prompts, group):
+        hits = _run_group(m, g, mt.kv, batch, max_new_tokens, decode, stop_tokens, cache_dtype)
+        for p, h in zip(g, hits, strict=True):
+            res[id(p)] = dict(p, hit=h)
+        if progress is not None:
+            progress.update(len(g))
+    return [res[id(p)] for p in prompts]
+
+
+def summarize(mt: Method, res: list[dict]) -> tuple[dict, list[dict]]:
+    """(summary row with a 95% Wilson CI and the rate per length, cells per (length, depth))."""
+    lengths = sorted({r["length"] for r in res})
+    k = sum(r["hit"] for r in res)
+    rate, lo, hi = wilson(k, len(res))
+    row = {"method": mt.name, "bits": mt.kv.bits, "rate": rate, "rate_lo": lo,
+           "rate_hi": hi, "prompts": len(res)}  # fmt: skip
+    for n in lengths:
+        hs = [r["hit"] for r in res if r["length"] == n]
+        row[f"rate@{n}"] = sum(hs) / len(hs)
+    cells = []
+    for n in lengths:
+        for d in sorted({r["depth"] for r in res}):
+            hs = [r["hit"] for r in res if r["length"] == n and r["depth"] == d]
+            if hs:
+                cells.append({"method": mt.name, "length": n, "depth": d,
+                              "rate": sum(hs) / len(hs), "prompts": len(hs)})  # fmt: skip
+    return row, cells
+
+
+def niah(
+    m: CausalLM, methods: list[Method], prompts: list[dict], decode: Callable, *,
+    batch: int | None = None, max_new_tokens: int = 8, stop_tokens=None, cache_dtype=None,
+    group: str = "length", show_progress: bool = True,
+):  # fmt: skip
+    """Exact-match rates per method: overall (with a 95% Wilson CI), per length and per cell.
+
+    ``decode(ids) -> text`` turns generated ids into text (``score_passkey`` reads the
+    first five digits; cut the text at a stop token there). ``stop_tokens`` go to
+    ``generate`` (None: the model's eos ids), so does ``cache_dtype``. ``batch``:
+    prompts per ``generate`` call (None: a whole group); ``group``: see ``groups``.
+    Returns (rows, cells): one summary row per method, one row per (method, length, depth).
+    """
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    rows, cells = [], []
+    for mt in methods:
+        bar = Progress(len(prompts), f"niah {mt.name:<19}", enabled=show_progress)
+        res = niah_method(m, mt, prompts, decode, batch=batch, max_new_tokens=max_new_tokens,
+                          stop_tokens=stop_tokens, cache_dtype=cache_dtype, group=group,
+                          progress=bar)  # fmt: skip
+        row, cs = summarize(mt, res)
+        rows.append(row)
+        cells += cs
+    return rows, cells

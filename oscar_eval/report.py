@@ -1,0 +1,163 @@
+"""Reports of ``oscar-jax eval``: results.md from a results dict, and the PNGs again from a
+results.json (``oscar-jax plot``, for a run made where matplotlib was missing)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from oscar_eval import tni as eval_tni
+from oscar_eval.common import ci, md_table
+
+
+def replot(results_json: str, out_dir: str | None = None) -> list[str]:
+    """Write key_norms.png and niah.png from a results.json (e.g. of a run on a machine
+    without matplotlib); returns the paths written."""
+    with open(results_json) as f:
+        res = json.load(f)
+    out_dir = out_dir or os.path.dirname(os.path.abspath(results_json))
+    if eval_tni._pyplot() is None:
+        raise ValueError(eval_tni.NO_MPL)
+    done = []
+    if "tni" in res:
+        rows = res["tni"]["per_head"]
+        nl = 1 + max(r["layer"] for r in rows)
+        ratio = np.array([r["median_over_sink"] for r in rows]).reshape(nl, -1)
+        title = os.path.basename(res.get("model", "").rstrip("/"))
+        done.append(
+            eval_tni.plot_key_norms(
+                np.asarray(res["tni"]["norm_profile"]),
+                ratio,
+                os.path.join(out_dir, "key_norms.png"),
+                title,
+            )
+        )
+    if "niah" in res:
+        done.append(eval_tni.plot_niah(res["niah"]["cells"], os.path.join(out_dir, "niah.png")))
+    return [p for p in done if p]
+
+
+# one precision per column: perplexities to 2 decimals, differences to 3
+PPL_FORMATS = {"ppl": ".2f", "delta_vs_bf16": ".3f"}
+
+
+def _ppl_cis(r: dict) -> dict:
+    """A perplexity row with its CIs as text, in the precisions of PPL_FORMATS."""
+    return dict(r, ci=ci(r["ppl_lo"], r["ppl_hi"], spec=".2f"),
+                dci=ci(r.get("delta_lo"), r.get("delta_hi"), spec=".3f"))  # fmt: skip
+
+
+def _tni_layers(t: dict) -> list[dict]:
+    """One Markdown row per layer from the per-(layer, KV head) TNI rows."""
+    out = []
+    attn = t["summary"].get("attn_on_sink_by_layer")
+    for li in sorted({r["layer"] for r in t["per_head"]}):
+        rs = [r for r in t["per_head"] if r["layer"] == li]
+        j = lambda k, rs=rs: " ".join(f"{r[k]:.3g}" for r in rs)  # noqa: E731
+        out.append({"layer": li, "attn": attn[li] if attn else "", "ratio": j("median_over_sink"),
+                    "ratio_min": j("median_over_min"), "median": j("median_norm"),
+                    "sink": j("sink_norm")})  # fmt: skip
+    return out
+
+
+def markdown(res: dict) -> str:
+    """The results as Markdown tables (what ``results.md`` holds)."""
+    out = [
+        f"# oscar-jax evaluation: {res['model']}",
+        "",
+        f"device {res['device']}, jax {res['jax']}; methods: {', '.join(res['methods'])}",
+        "",
+    ]
+    for n in res.get("notes", []):
+        out += [f"> {n}", ""]
+    if "ppl" in res:
+        st = res["settings"]
+        rows = [_ppl_cis(r) for r in res["ppl"]]
+        out += [f"## Perplexity (context {st['ctx']}, {res['ppl_windows']} windows, "
+                "cache-exact: each token attends to the cache as when decoded; full-precision "
+                f"K/V in {st['cache_dtype']})", "",
+                md_table(rows, ["method", "ppl", "ci", "delta_vs_bf16", "dci", "tokens"],
+                         ["method", "ppl", "95% CI", "ppl - bf16", "95% CI (paired)",
+                          "tokens"], PPL_FORMATS), ""]  # fmt: skip
+    if "niah" in res:
+        nz = res["niah"]
+        lens = sorted(int(x) for x in nz["prompt_tokens"])
+        rows = [dict(r, ci=ci(r["rate_lo"], r["rate_hi"], spec=".3f")) for r in nz["summary"]]
+        out += ["## Needle in a haystack (passkey exact match, greedy through the cache)", "",
+                md_table(rows, ["method", "rate", "ci", *[f"rate@{n}" for n in lens], "prompts"],
+                         ["method", "rate", "95% CI (Wilson)", *[f"@{n}" for n in lens],
+                          "prompts"], {"rate": ".3f", **{f"rate@{n}": ".3f" for n in lens}}),
+                ""]  # fmt: skip
+    if "tni" in res:
+        t = res["tni"]
+        sm = t["summary"]
+        out += [
+            "## Token Norm Imbalance",
+            "",
+            f"median key norm / sink (position 0) key norm over {sm['layers_heads']} "
+            f"(layer, KV head) pairs: median {sm['median_over_sink_median']:.1f}, "
+            f"min {sm['median_over_sink_min']:.1f}, max {sm['median_over_sink_max']:.1f}; "
+            f"{sm['layers_heads_ratio_ge_10']} pairs >= 10; query heads putting >= 0.5 of "
+            f"their attention on position 0: {sm.get('sink_heads')}/{sm.get('query_heads')}. "
+            f"Plot: {t['plot'] or 'none'}",
+            "",
+            md_table(
+                _tni_layers(t),
+                ["layer", "attn", "ratio", "ratio_min", "median", "sink"],
+                [
+                    "layer",
+                    "attention on pos 0",
+                    "median/sink norm per KV head",
+                    "median/min",
+                    "median norm",
+                    "sink norm",
+                ],
+            ),  # fmt: skip
+            "",
+        ]
+        ke = t["key_error"]
+        layers = sorted({r["layer"] for r in ke})
+        by = {}
+        for r in ke:
+            by.setdefault(r["method"], {})[r["layer"]] = r
+        rows = [{"method": mt, **{f"L{li}": by[mt][li]["key_mse"] for li in layers},
+                 "sink": float(np.mean([by[mt][li]["sink_key_rel_err"] for li in layers])),
+                 "other": float(np.mean([by[mt][li]["other_key_rel_err"] for li in layers]))}
+                for mt in by]  # fmt: skip
+        out += ["### INT2 key reconstruction error per layer (quantizer only, all tokens)", "",
+                md_table(rows, ["method", *[f"L{li}" for li in layers], "sink", "other"],
+                         ["method", *[f"MSE L{li}" for li in layers], "sink rel. err",
+                          "other rel. err"]), ""]  # fmt: skip
+    if "ablations" in res:
+        rows = [_ppl_cis(r) for r in res["ablations"]]
+        st = res["settings"]
+        out += [f"## Ablations of {st['ablation_base']} (one factor changed from R="
+                f"{st['residual_length']}, G={st['group_size']}, Hadamard, bf16 norms)", "",
+                md_table(rows, ["factor", "setting", "method", "ppl", "ci", "delta_vs_bf16",
+                                "dci", "key_mse_layer_mean"],
+                         ["factor", "setting", "method", "ppl", "95% CI", "ppl - bf16",
+                          "95% CI (paired)", "INT2 key MSE"], PPL_FORMATS), ""]  # fmt: skip
+    tm = res.get("timing_s", {})
+    if tm:
+        out += ["Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in tm.items()), ""]
+    last = (res.get("runs") or [{}])[-1]
+    if last.get("compile"):
+        c = last["compile"]
+        done = last.get("done", "wall_s" in last)  # results.json of older runs: no "done"
+        wall = (f"{last['wall_s']} s wall" if done else
+                f"not finished (running, or interrupted) after {last.get('wall_s', 0)} s: "
+                "the tables hold the units finished so far")  # fmt: skip
+        out += [
+            f"Last run: {wall}, {c['programs']} programs "
+            f"compiled ({c['compile_s']:.0f} s of compiling, summed over threads)",
+            "",
+        ]
+    if res.get("skipped"):
+        out += [
+            "Skipped by the time budget (not run, no rows): "
+            + ", ".join(f"{u['task']} {u['unit']}" for u in res["skipped"]),
+            "",
+        ]
+    return "\n".join(out)

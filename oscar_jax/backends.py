@@ -1,0 +1,165 @@
+"""Backends of the cache's ops: one explicit table per op, resolved lazily.
+
+Every op that has more than one implementation looks its ``implementation=`` up here.
+A table maps a backend name to the function itself (pure JAX, in this package) or to
+``"module:function"`` of a kernel package, imported on first use, so a reader (or a
+static tool) can follow a call from the public op to its kernel without running any
+registration code. Names are the same for every op:
+
+- ``"xla"``: the pure-JAX reference (any device);
+- ``"triton"``: the Pallas kernels lowered through Triton (``pallas_kernels``; Pallas
+  interpret mode without a GPU). ``"pallas"`` is accepted as another name for it.
+
+An op can also be given a callable of the op's signature (e.g. a baseline under test).
+An unknown or unavailable backend raises a ``ValueError`` naming it and what is
+available; nothing falls back silently.
+
+``Backends`` bundles the choice for a decode step that composes several ops (attention,
+encoder, one-launch cache write, prompt attention): ``Backends.of("triton")`` selects
+every part, ``Backends.of("triton").replace(encode="xla")`` overrides one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+# op -> backend -> function or "module:function" (imported on first use)
+TABLES: dict[str, dict[str, Callable | str]] = {
+    # fn(q [B, Hq, D], cache, *, softmax_scale=None, **options) -> [B, Hq, D]
+    "decode_attention": {
+        "xla": "oscar_jax.attention:decode_attention_xla",
+        "triton": "pallas_kernels.decode.triton:decode_attention_triton",
+    },
+    # one sequence shard's quantized part (oscar_jax.sharding):
+    # fn(q_rot [b, h, g, d], cache, scale, *, offset=0, **options) -> (acc, m, l)
+    "quantized_partial": {
+        "xla": "oscar_jax.attention:quantized_partial",
+        "triton": "pallas_kernels.decode.triton:quantized_partial_triton",
+    },
+    # fn(k [B, H, T, D], v, cfg, **options) -> (EncodedKeys, EncodedValues)
+    "encode": {
+        "xla": "oscar_jax.codec:encode_xla",
+        "triton": "pallas_kernels.quantize.triton:encode",
+    },
+    # one layer's decode-step cache update in one launch (models' decode step):
+    # fn(cache, k_t, v_t, flush) -> cache; "xla" composes append_to_ring and write_flush
+    "cache_write": {
+        "xla": "oscar_jax.flush:write_step",
+        "triton": "pallas_kernels.cache_write:fused_update",
+    },
+}
+ALIASES = {"pallas": "triton"}
+# decode_attention backends that return NaN for FLAG_NONFINITE rows themselves
+POISONING = frozenset({("decode_attention", "triton")})
+_RESOLVED: dict[tuple[str, str], Callable] = {}
+
+
+def canonical(op: str, implementation) -> str | Callable:
+    """The table name of ``implementation`` for ``op`` (aliases resolved), or the callable.
+
+    ValueError naming the value unless it is a backend of ``op`` or a callable.
+    """
+    if op not in TABLES:
+        raise ValueError(f"op={op!r} must be one of {sorted(TABLES)}")
+    if callable(implementation):
+        return implementation
+    if not isinstance(implementation, str):
+        raise ValueError(
+            f"implementation={implementation!r} must be a str, one of {available(op)}, "
+            "or a callable"
+        )
+    name = ALIASES.get(implementation, implementation)
+    if name not in TABLES[op]:
+        raise ValueError(
+            f"implementation={implementation!r} must be one of {available(op)} for {op} "
+            f"(or a callable)"
+        )
+    return name
+
+
+def resolve(op: str, implementation) -> Callable:
+    """The function of ``implementation`` for ``op`` (imported on first use)."""
+    name = canonical(op, implementation)
+    if callable(name):
+        return name
+    key = (op, name)
+    if key not in _RESOLVED:
+        entry = TABLES[op][name]
+        if isinstance(entry, str):
+            module, _, attr = entry.partition(":")
+            try:
+                entry = getattr(importlib.import_module(module), attr)
+            except ImportError as e:
+                raise ValueError(
+                    f"implementation={name!r} of {op} is not available here: importing "
+                    f"{module} failed ({e})"
+                ) from e
+        _RESOLVED[key] = entry
+    return _RESOLVED[key]
+
+
+def available(op: str) -> tuple[str, ...]:
+    """The backend names of ``op`` (aliases included), sorted."""
+    return tuple(sorted({*TABLES[op], *(a for a, n in ALIASES.items() if n in TABLES[op])}))
+
+
+def poisons(op: str, implementation) -> bool:
+    """Whether ``implementation`` makes FLAG_NONFINITE rows NaN itself."""
+    name = canonical(op, implementation)
+    return not callable(name) and (op, name) in POISONING
+
+
+PROMPT_ATTENTION = ("auto", "reference", "cudnn", "xla")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    """The backends of one decode step, part by part (names of ``TABLES``' ops).
+
+    ``attention``: ``decode_attention`` (or, sharded over sequence, its
+    ``quantized_partial``); ``encode``: the quantizer of flushes and of the prefill;
+    ``cache_write``: "triton" writes a layer's step (ring slot, flushed group) in one
+    launch where it can, "xla" with separate ops; ``prompt_attention``: the prefill's
+    full-precision attention (``models.layers.causal_attention``: "reference", "cudnn",
+    "xla", or "auto").
+    """
+
+    attention: str | Callable = "xla"
+    encode: str | Callable = "xla"
+    cache_write: str = "xla"
+    prompt_attention: str = "auto"
+
+    def __post_init__(self):
+        for field, op in (("attention", "decode_attention"), ("encode", "encode"),
+                          ("cache_write", "cache_write")):  # fmt: skip
+            value = getattr(self, field)
+            try:
+                name = canonical(op, value)
+            except ValueError as e:
+                raise ValueError(f"Backends.{field}={value!r}: {e}") from None
+            object.__setattr__(self, field, name)
+        if callable(self.cache_write):
+            raise ValueError(f"Backends.cache_write={self.cache_write!r} must be a name")
+        if self.prompt_attention not in PROMPT_ATTENTION:
+            raise ValueError(
+                f"Backends.prompt_attention={self.prompt_attention!r} must be one of "
+                f"{PROMPT_ATTENTION}"
+            )
+
+    @classmethod
+    def of(cls, spec: str | Backends) -> Backends:
+        """``spec`` as Backends: a name selects it for every part that has it."""
+        if isinstance(spec, Backends):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(
+                f"implementation={spec!r} must be a backend name "
+                f"{available('decode_attention')} or a Backends"
+            )
+        name = canonical("decode_attention", spec)
+        return cls(attention=name, encode=name, cache_write=name)
+
+    def replace(self, **changes) -> Backends:
+        return dataclasses.replace(self, **changes)
