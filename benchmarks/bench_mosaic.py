@@ -1,0 +1,232 @@
+# ruff: noqa: E501, B905, B023  (wide result tables; the jitted closures run in their loop)
+"""Device-side timing (CUPTI via jax.experimental.mosaic.gpu.profiler.measure; medians) of
+the Mosaic GPU INT2 decode against cuDNN BF16, XLA einsum BF16 and an XLA copy, in one run.
+
+Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128. INT2: L - 128 quantized
+tokens + a 160-slot ring with 128 valid. For small shapes every implementation runs over
+``copies`` distinct input sets per timed call (sum of kernel times / copies), so that the
+working set is >= ~100 MB and not L2-resident.
+
+usage: python3 -m benchmarks.bench_mosaic SHAPE[,SHAPE..] VARIANT[;VARIANT..]
+  SHAPE = BxL (e.g. 1x131072); VARIANT = comma list of k=v for Int2DecodeConfig
+  (e.g. "stage=stream;block_tokens=256,waves=4").
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.mosaic.gpu import profiler
+
+from pallas_kernels.decode import mosaic as K
+
+HQ, HKV, DH, RING = 32, 8, 128, 160
+ITERS = int(os.environ.get("ITERS", 20))
+rows = []
+
+
+def med(f, *args, iters=ITERS, detail=False):
+    f(*args)  # compile + warm
+    jax.block_until_ready(f(*args))
+    _, ts = profiler.measure(f, aggregate=not detail, iterations=iters)(*args)
+    if detail:
+        agg = {}
+        for it in ts:
+            for name, t in it:
+                agg.setdefault(name, []).append(t)
+        return {n: statistics.median(v) * 1e3 for n, v in agg.items()}
+    return statistics.median(ts) * 1e3  # us
+
+
+def parse_variant(s):
+    kw = {}
+    for item in filter(None, s.split(",")):
+        k, v = item.split("=")
+        kw[k] = v if k == "stage" else int(v)
+    return kw
+
+
+def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True):
+    """A random planar INT2 cache (zero past nq, as the repo's invariants) with planted
+    low-norm sink tokens (norm 0.02 at token 0 and a few others) and a few tokens of very
+    large norm (far-off scores that set the softmax max in one split only)."""
+    ks_ = jax.random.split(key, 8)
+    nq = jnp.asarray(nq, jnp.int32)
+    tok = jnp.arange(lq)
+    live = (tok[None, :] < nq[:, None])[:, None, :]  # [B, 1, Lq]
+    kc = jax.random.randint(ks_[0], (b, h, lq, 128), 0, 4).astype(jnp.uint8)
+    vc = jax.random.randint(ks_[1], (b, h, lq, 128), 0, 4).astype(jnp.uint8)
+    kc = jnp.where(live[..., None], kc, 0)
+    vc = jnp.where(live[..., None], vc, 0)
+    gl = (jnp.arange(lq // K.G)[None, :] * K.G < nq[:, None])[:, None, :, None]
+    k_scale = jnp.where(
+        gl, jax.random.uniform(ks_[2], (b, h, lq // K.G, 128), minval=0.02, maxval=0.2), 0
+    )
+    k_zero = jnp.where(
+        gl, -1.5 * k_scale + 0.05 * jax.random.normal(ks_[3], (b, h, lq // K.G, 128)), 0
+    )
+    norm = jax.random.uniform(ks_[4], (b, h, lq), minval=0.5, maxval=2.0)
+    if sinks:
+        sink = (tok % 997 == 0) | (tok == 1)
+        norm = jnp.where(sink[None, None], 0.02, norm)
+        big = tok % 1531 == 700
+        norm = jnp.where(big[None, None], 12.0, norm)
+    norm = jnp.where(live, norm, 0)
+    v_scale = jnp.where(
+        live[..., None], jax.random.uniform(ks_[5], (b, h, lq, 4), minval=0.05, maxval=1.0), 0
+    )
+    v_zero = jnp.where(
+        live[..., None], -1.5 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)), 0
+    )
+    c = dict(
+        k_codes=K._pack_planar(kc), v_codes=K._pack_planar(vc),
+        k_scale=k_scale.astype(pdt), k_zero=k_zero.astype(pdt), k_norm=norm.astype(jnp.float32),
+        v_scale=v_scale.astype(pdt), v_zero=v_zero.astype(pdt),
+    )  # fmt: skip
+    return c
+
+
+def run_shape(b, L, variants, copies):
+    g = HQ // HKV
+    nq_n = L - 128
+    key = jax.random.PRNGKey(b * 7 + L)
+    # --- BF16 baselines
+    kb = [
+        jax.random.normal(jax.random.fold_in(key, i), (b, L, HKV, DH), jnp.bfloat16)
+        for i in range(copies)
+    ]
+    vb = [
+        jax.random.normal(jax.random.fold_in(key, 100 + i), (b, L, HKV, DH), jnp.bfloat16)
+        for i in range(copies)
+    ]
+    qb = jax.random.normal(jax.random.fold_in(key, 999), (b, 1, HQ, DH), jnp.bfloat16)
+
+    @jax.jit
+    def cudnn(q, ks, vs):
+        return [
+            jax.nn.dot_product_attention(q, k, v, implementation="cudnn") for k, v in zip(ks, vs)
+        ]
+
+    kh = [jnp.swapaxes(k, 1, 2) for k in kb]  # [B, H, L, D] for the einsum version
+    vh = [jnp.swapaxes(v, 1, 2) for v in vb]
+    del kb, vb
+
+    @jax.jit
+    def xla(q, ks, vs):
+        qg = q.reshape(b, HKV, g, DH)
+        outs = []
+        for k, v in zip(ks, vs):
+            s = jnp.einsum("bhgd,bhtd->bhgt", qg, k, preferred_element_type=jnp.float32) / np.sqrt(
+                DH
+            )
+            p = jax.nn.softmax(s, axis=-1)
+            outs.append(
+                jnp.einsum(
+                    "bhgt,bhtd->bhgd", p.astype(jnp.bfloat16), v, preferred_element_type=jnp.float32
+                )
+            )
+        return outs
+
+    bf16_bytes = 2 * b * L * HKV * DH * 2
+    kbt = [jnp.swapaxes(k, 1, 2) for k in kh]
+    vbt = [jnp.swapaxes(v, 1, 2) for v in vh]
+    t_cudnn = med(cudnn, qb, kbt, vbt) / copies
+    del kbt, vbt
+    t_xla = med(xla, qb, kh, vh) / copies
+    del kh, vh
+    # --- copy
+    xc = jax.random.normal(key, (64 * 1024 * 1024,), jnp.float32)  # 256 MiB
+    t_copy = med(jax.jit(lambda x: x + 1.0), xc)
+    copy_rate = 2 * xc.nbytes / t_copy / 1e3  # GB/s
+    del xc
+    # --- INT2 caches
+    sets = []
+    for i in range(copies):
+        c = random_cache(jax.random.fold_in(key, 500 + i), b, HKV, L, [nq_n] * b)
+        sets.append(c)
+    q = jax.random.normal(jax.random.fold_in(key, 7), (b, HKV, g, DH), jnp.float32)
+    k_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
+    v_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
+    ring_valid = jnp.broadcast_to(jnp.arange(RING)[None] < 128, (b, RING))
+    nq = jnp.full((b,), nq_n, jnp.int32)
+    base = dict(
+        shape=f"{b}x{L}",
+        copies=copies,
+        cudnn_us=t_cudnn,
+        xla_us=t_xla,
+        copy_GBps=copy_rate,
+        bf16_GBps_cudnn=bf16_bytes / t_cudnn / 1e3,
+    )
+    print(json.dumps(base), flush=True)
+    for vs in variants:
+        kw = parse_variant(vs)
+        bt = kw.get("block_tokens", 256)
+        cfg = K.Int2DecodeConfig(**kw)
+        recs = [jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))(c) for c in sets]
+        rec_l = [r for r, _ in recs]
+        kn_l = [n for _, n in recs]
+        # bytes the kernel must read: records + norms of the quantized tokens, q, ring
+        nrec = -(-nq_n // 64)
+        int2_bytes = b * HKV * nrec * (K.WORDS * 4 + 64 * 4) + 2 * b * HKV * RING * DH * 2
+
+        @jax.jit
+        def part(q, recs, kns):
+            return [K.int2_decode_partials(q, r, n, nq, cfg=cfg) for r, n in zip(recs, kns)]
+
+        @jax.jit
+        def full(q, recs, kns):
+            return [K.int2_decode_attention(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+                    for r, n in zip(recs, kns)]  # fmt: skip
+
+        @jax.jit
+        def full2(q, recs, kns):
+            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+                    for r, n in zip(recs, kns)]  # fmt: skip
+
+        try:
+            t_part = med(part, q, rec_l, kn_l) / copies
+            t_full = med(full, q, rec_l, kn_l) / copies
+            t_full2 = med(full2, q, rec_l, kn_l) / copies if cfg.stage == "full" else float("nan")
+            det = med(full2, q, rec_l[:1], kn_l[:1], detail=True, iters=5)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(dict(shape=f"{b}x{L}", variant=vs, error=repr(e)[:600])), flush=True)
+            continue
+        fastest = min(t_cudnn, t_xla)
+        row = dict(base, variant=vs, splits=cfg.num_splits(b, HKV, nrec * 64), kernel_us=t_part,
+                   call_us=t_full, int2_MB=int2_bytes / 1e6,
+                   kernel_GBps=int2_bytes / t_part / 1e3, kernel_frac_copy=int2_bytes / t_part / 1e3 / copy_rate,
+                   call_frac_copy=int2_bytes / t_full / 1e3 / copy_rate,
+                   x_vs_fastest_bf16_call=fastest / t_full, x_vs_cudnn_call=t_cudnn / t_full,
+                   x_vs_xla_call=t_xla / t_full, call2_us=t_full2, x_vs_fastest_bf16_call2=fastest / t_full2,
+                   call2_frac_copy=int2_bytes / t_full2 / 1e3 / copy_rate, kernels_call2=det)  # fmt: skip
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        del recs, rec_l, kn_l
+
+
+if __name__ == "__main__":
+    shapes = [tuple(map(int, s.split("x"))) for s in sys.argv[1].split(",")]
+    variants = sys.argv[2].split(";") if len(sys.argv) > 2 else [""]
+    t0 = time.time()
+    for b, L in shapes:
+        copies = max(
+            1, min(int(os.environ.get("MAX_COPIES", 32)), -(-100_000_000 // (b * L * HKV * 100)))
+        )
+        run_shape(b, L, variants, copies)
+    print(f"bench done in {time.time() - t0:.0f}s")
+    print(
+        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5}"
+    )
+    for r in rows:
+        print(
+            f"{r['shape']:>9} {r['variant'][:30]:>30} {r['kernel_us']:6.1f} {r['call_us']:6.1f} {r['call2_us']:6.1f} {r['kernel_GBps']:5.0f} "
+            f"{100 * r['kernel_frac_copy']:5.1f}% {100 * r['call2_frac_copy']:5.1f}% {r['cudnn_us']:6.1f} {r['xla_us']:6.1f} {r['x_vs_fastest_bf16_call']:5.2f} {r['x_vs_fastest_bf16_call2']:5.2f}"
+        )
+    if os.environ.get("OUT"):
+        tag = os.environ.get("TAG", "bench")
+        json.dump(rows, open(os.path.join(os.environ["OUT"], f"{tag}.json"), "w"), indent=1)

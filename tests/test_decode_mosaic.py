@@ -1,0 +1,174 @@
+"""The experimental Mosaic GPU INT2 decode kernel (``pallas_kernels.decode.mosaic``).
+
+On the CPU: its record layout is an exact permutation of the cache's planar arrays
+(``fragment_layout`` and its inverse, bit for bit, on caches the library filled), with the
+fields where the kernel reads them; and the kernels lower for CUDA sm_90 where jax >= 0.11.2
+and its CUDA plugin are installed. ``TestMosaicGPU`` runs the compiled kernel against the
+XLA reference on the H200 (skipped elsewhere).
+"""
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import kv_with_sinks, query
+from tolerances import tol
+
+import oscar_jax as oj
+from pallas_kernels.decode import mosaic as mk
+
+D = 128
+
+
+def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, **kw):
+    cfg = oj.preset("oscar", bits=2, param_dtype=param_dtype, **kw)
+    k, v = kv_with_sinks(seed, b, max(lengths), h, D, jnp.bfloat16, sinks=(0, 1))
+    c = oj.init_cache(cfg, batch=b, max_len=max_len, num_kv_heads=h, head_dim=D,
+                      dtype=jnp.bfloat16)  # fmt: skip
+    return oj.prefill(c, k, v, jnp.asarray(lengths, jnp.int32))
+
+
+def _bits(x):
+    x = jnp.asarray(x)
+    if x.dtype in (jnp.float16, jnp.bfloat16):
+        x = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    elif x.dtype == jnp.float32:
+        x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return np.asarray(x)
+
+
+@pytest.mark.parametrize(
+    "lengths,param_dtype,block,norms",
+    [
+        ([640, 200], "float16", 256, "per_head"),  # ragged: a row with few quantized tokens
+        ([100, 333, 640], "bfloat16", 128, "per_head"),  # a row all in the ring
+        ([517], "float16", 64, "per_token"),  # one norm over all KV heads
+    ],
+)
+def test_record_layout_is_an_exact_permutation(lengths, param_dtype, block, norms):
+    c = _cache(len(lengths), len(lengths), lengths, param_dtype=param_dtype,
+               norm_granularity=norms)  # fmt: skip
+    pdt = jnp.dtype(param_dtype)
+    rec, kn = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
+                                 c.v_scale, c.v_zero, param_dtype=pdt,
+                                 block_tokens=block)  # fmt: skip
+    b, h, lq = c.batch, c.num_kv_heads, c.quant_capacity
+    assert rec.shape == (b, h, -(-lq // block) * block // mk.TILE, mk.WORDS)
+    assert rec.dtype == jnp.uint32
+    back = mk.fragment_layout_inverse(rec, kn, lq, param_dtype=pdt)
+    want = dict(k_codes=c.k_codes, k_scale=c.k_scale, k_zero=c.k_zero, v_codes=c.v_codes,
+                v_scale=c.v_scale, v_zero=c.v_zero,
+                k_norm=jnp.broadcast_to(c.k_norm, (b, h, lq)).astype(jnp.float32))  # fmt: skip
+    for name, x in want.items():
+        assert back[name].shape == x.shape, name
+        np.testing.assert_array_equal(_bits(back[name]), _bits(x), err_msg=name)
+    assert np.asarray(kn)[:, :, lq:].sum() == 0  # padding past the capacity
+
+
+def test_record_fields_sit_where_the_kernel_reads_them():
+    """The index formulas of the module docstring against the planar arrays."""
+    c = _cache(7, 2, [640, 300])
+    rec, _ = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
+                                c.v_scale, c.v_zero, param_dtype=jnp.float16,
+                                block_tokens=256)  # fmt: skip
+    r = np.asarray(rec)
+    ck = np.asarray(oj.unpack(c.k_codes, 2))  # [B, H, Lq, D]
+    cv = np.asarray(oj.unpack(c.v_codes, 2))
+    ks, kz = _bits(c.k_scale), _bits(c.k_zero)
+    vs, vz = _bits(c.v_scale), _bits(c.v_zero)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        bi, hi, n = rng.integers(2), rng.integers(2), rng.integers(c.quant_capacity // 64)
+        tid, cb, rh, e = rng.integers(128), rng.integers(16), rng.integers(2), rng.integers(2)
+        w, lane = divmod(tid, 32)
+        j, p = lane % 4, 2 * (cb % 4) + rh
+        word = int(r[bi, hi, n, 4 * tid + cb // 4])
+        tok, ch = 64 * n + 16 * w + lane // 4 + 8 * rh, 8 * cb + 2 * j + e
+        assert (word >> (2 * p + 16 * e)) & 3 == ck[bi, hi, tok, ch]
+        mt, cbv = rng.integers(2), rng.integers(8)
+        p = 2 * (cbv % 4) + rh
+        word = int(r[bi, hi, n, 512 + 4 * tid + 2 * mt + cbv // 4])
+        tok, ch = 64 * n + 8 * cbv + 2 * j + e, 64 * mt + 16 * w + lane // 4 + 8 * rh
+        assert (word >> (2 * p + 16 * e)) & 3 == cv[bi, hi, tok, ch]
+        gi = rng.integers(2)
+        for off, bits in ((0, ks), (64, kz)):
+            word = int(r[bi, hi, n, 1024 + 128 * gi + off + 16 * j + cb])
+            assert (word >> (16 * e)) & 0xFFFF == bits[bi, hi, 2 * n + gi, 8 * cb + 2 * j + e]
+        grp = 2 * mt + w // 2
+        for sz, bits in ((0, vs), (1, vz)):
+            word = int(r[bi, hi, n, 1280 + (2 * (cbv // 4) + sz) * 64 + 16 * grp + 4 * j
+                         + cbv % 4])  # fmt: skip
+            assert (word >> (16 * e)) & 0xFFFF == bits[bi, hi, 64 * n + 8 * cbv + 2 * j + e, grp]
+
+
+def test_unsupported_caches_are_named():
+    assert mk.unsupported_reason(_cache(1, 1, [300])) is None
+    c4 = oj.init_cache(oj.preset("oscar", bits=4), batch=1, max_len=640, num_kv_heads=2,
+                       head_dim=D)  # fmt: skip
+    assert "bits=4" in mk.unsupported_reason(c4)
+    c64 = oj.init_cache(oj.preset("oscar", bits=2), batch=1, max_len=640, num_kv_heads=2,
+                        head_dim=64)  # fmt: skip
+    assert "head_dim=64" in mk.unsupported_reason(c64)
+    with pytest.raises(ValueError, match="bits=4"):
+        mk.decode_attention_mosaic(jnp.ones((1, 4, D)), c4)
+    with pytest.raises(ValueError, match="block_tokens=100"):
+        mk.Int2DecodeConfig(block_tokens=100)
+
+
+def _lowering_stack() -> str | None:
+    """Why the kernels cannot be lowered for CUDA here (None: they can)."""
+    version = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())
+    if version < (0, 11, 2):
+        return f"jax {jax.__version__}: the kernels need jax >= 0.11.2"
+    if importlib.util.find_spec("jax_plugins") is None:
+        return "no CUDA plugin (jax-cuda13-plugin) to lower for sm_90"
+    return None
+
+
+@pytest.mark.skipif(_lowering_stack() is not None, reason=str(_lowering_stack()))
+@pytest.mark.parametrize("block,g,stage", [(256, 4, "full"), (128, 7, "full"), (256, 4, "keys")])
+def test_kernels_lower_for_sm90(block, g, stage):
+    cfg = mk.Int2DecodeConfig(block_tokens=block, stage=stage)
+    s = jax.ShapeDtypeStruct
+    b, h, lq = 2, 2, 1024
+    q = s((b, h, g, D), jnp.float32)
+    rec = s((b, h, lq // 64, mk.WORDS), jnp.uint32)
+    kn, nq = s((b, h, lq), jnp.float32), s((b,), jnp.int32)
+    f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg))
+    f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
+    if stage == "full":
+        ring = (s((b, h, 160, D), jnp.bfloat16), s((b, h, 160, D), jnp.bfloat16),
+                s((b, 160), jnp.bool_))  # fmt: skip
+        fn = jax.jit(lambda *a: mk.int2_decode_attention_2launch(*a, cfg=cfg))
+        fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
+
+
+class TestMosaicGPU:
+    """The compiled kernel against the XLA reference (H200; skipped without a GPU)."""
+
+    @pytest.fixture(autouse=True)
+    def _gpu(self):
+        if not oj.gpu_available() or _lowering_stack() is not None:
+            pytest.skip("the Mosaic GPU kernel needs a Hopper GPU and jax >= 0.11.2")
+
+    @pytest.mark.parametrize(
+        "lengths,g,param_dtype,block",
+        [
+            ([4000], 4, "float16", 256),
+            ([2080, 0, 150], 4, "bfloat16", 256),  # an empty row, a row all in the ring
+            ([1100, 2047], 7, "float16", 128),
+            ([990, 481], 3, "float16", 64),
+            ([1600, 700], 1, "float16", 256),
+        ],
+    )
+    def test_matches_xla(self, lengths, g, param_dtype, block):
+        c = _cache(sum(lengths), len(lengths), lengths, param_dtype=param_dtype,
+                   max_len=4096 + 160)  # fmt: skip
+        q = query(len(lengths), len(lengths), 2 * g, D, jnp.bfloat16)
+        cfg = mk.Int2DecodeConfig(block_tokens=block)
+        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg))(q, c)
+        want = oj.decode_attention(q, c, implementation="xla")
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
