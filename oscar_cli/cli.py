@@ -21,6 +21,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import tokenizers
 
 import models
 import oscar_eval
@@ -66,12 +68,34 @@ def _load(path: str, dtype: str):
 
 
 def _heldout(args, m, path: str):
+    """Held-out ids for ``m``: --heldout, else MODEL/heldout_sample.npy, else (a model with
+    a tokenizer but no sample, e.g. a .gguf file) the bundled model's held-out documents
+    as text, each encoded by ``m``'s own tokenizer after one BOS."""
     src = args.heldout or os.path.join(path, "heldout_sample.npy")
-    if not os.path.isfile(src):
-        if args.heldout:
-            raise ValueError(f"--heldout {src!r} does not exist")
+    if os.path.isfile(src):
+        return oscar_eval.load_heldout(src, m.tokenizer, m.config.bos_token_id), src
+    if args.heldout:
+        raise ValueError(f"--heldout {src!r} does not exist")
+    if m.tokenizer is None or os.path.abspath(path) == BUNDLED:
         return None, src
-    return oscar_eval.load_heldout(src, m.tokenizer, m.config.bos_token_id), src
+    return _bundled_text_for(m), f"{BUNDLED}/heldout_sample.npy (as text)"
+
+
+def _bundled_text_for(m) -> np.ndarray:
+    """The bundled held-out sample, decoded to text per document (split at its BOS) and
+    re-encoded with ``m``'s tokenizer: one BOS of ``m`` per document, none added twice."""
+    own = tokenizers.Tokenizer.from_file(os.path.join(BUNDLED, "tokenizer.json"))
+    bos_own = models.load_config(BUNDLED).bos_token_id
+    ids = np.load(os.path.join(BUNDLED, "heldout_sample.npy")).reshape(-1)
+    cuts = np.flatnonzero(ids == bos_own).tolist() + [len(ids)]
+    bos = m.config.bos_token_id
+    out: list[int] = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        text = own.decode(ids[a + 1 : b].tolist())
+        if text.strip():
+            enc = m.tokenizer.encode(text, add_special_tokens=False).ids
+            out += ([bos] if bos is not None else []) + list(enc)
+    return np.asarray(out, np.int64)
 
 
 def _settings(args, max_pos: int):

@@ -322,3 +322,16 @@ def test_memory_and_models_commands(capsys, monkeypatch, tmp_path):
     assert got == ["smollm2"] and capsys.readouterr().out.strip() == str(fake)
     assert cli.main(["models", "fetch"]) == 2  # no name: a clear error, not a traceback
     assert "needs a name" in capsys.readouterr().err
+
+
+def test_models_without_a_sample_get_the_bundled_text(tiny_dir):
+    """A model with a tokenizer but no held-out sample (a .gguf file, say) gets the bundled
+    held-out documents as text, re-encoded by its own tokenizer: one BOS per document."""
+    m = models.from_pretrained(tiny_dir)
+    ids = cli._bundled_text_for(m)
+    bos = m.config.bos_token_id
+    bundled = np.load(os.path.join(cli.BUNDLED, "heldout_sample.npy")).reshape(-1)
+    n_docs = int(np.sum(bundled == models.load_config(cli.BUNDLED).bos_token_id))
+    assert ids[0] == bos and 0 < int(np.sum(ids == bos)) <= n_docs
+    assert ids.min() >= 0 and ids.max() < m.config.vocab_size
+    assert not np.any((ids[1:] == bos) & (ids[:-1] == bos))  # never two BOS in a row
