@@ -237,8 +237,7 @@ def hf_model(name: str):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_logits_match_transformers(name):
-    import torch
-
+    torch = pytest.importorskip("torch", reason="parity needs torch (the [hf] extra)")
     hf = hf_model(name)
     m = ours(name)
     ids = _ids(m.config.vocab_size, seed=len(name))
