@@ -28,13 +28,15 @@ DEPTHS = tuple(range(0, 101, 10))  # percent
 
 
 def make_encode(tokenizer, bos: int | None) -> Callable[[str], list[int]]:
-    """Text -> ids as the model saw them in training: BOS first (added if the tokenizer won't)."""
+    """Text -> ids as the model saw them in training: one ``bos`` first, then the text
+    without the tokenizer's own special tokens (a post-processor's BOS would come twice
+    if it differed from ``bos``, and its EOS would end the prompt). With ``bos`` None the
+    tokenizer's own special tokens are kept."""
 
     def encode(text: str) -> list[int]:
-        ids = list(tokenizer.encode(text).ids)
-        if bos is not None and (not ids or ids[0] != bos):
-            ids = [bos, *ids]
-        return ids
+        if bos is None:
+            return list(tokenizer.encode(text).ids)
+        return [bos, *tokenizer.encode(text, add_special_tokens=False).ids]
 
     return encode
 

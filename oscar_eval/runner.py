@@ -32,7 +32,13 @@ from oscar_eval.settings import Settings
 
 def load_heldout(path: str, tokenizer=None, bos: int | None = None) -> np.ndarray:
     """Held-out ids: a .npy of token ids, or a text file (documents split at blank lines,
-    each tokenized with BOS first)."""
+    each tokenized with BOS first).
+
+    A text document is encoded without the tokenizer's own special tokens and gets one
+    ``bos`` in front: a tokenizer whose post-processor adds BOS (a GGUF file with
+    ``add_bos_token`` true) would otherwise give BOS twice, and one that adds EOS an EOS
+    per document. With ``bos`` None the tokenizer's own special tokens are kept.
+    """
     if not os.path.isfile(path):
         raise ValueError(f"held-out file {path!r} does not exist")
     if path.endswith(".npy"):
@@ -46,7 +52,10 @@ def load_heldout(path: str, tokenizer=None, bos: int | None = None) -> np.ndarra
         docs = [d for d in f.read().split("\n\n") if d.strip()]
     ids: list[int] = []
     for d in docs:
-        ids += ([bos] if bos is not None else []) + list(tokenizer.encode(d).ids)
+        if bos is None:
+            ids += list(tokenizer.encode(d).ids)
+        else:
+            ids += [bos, *tokenizer.encode(d, add_special_tokens=False).ids]
     return np.asarray(ids, np.int64)
 
 
