@@ -168,16 +168,22 @@ def test_make_encode_adds_bos_once():
     from oscar_eval.niah import make_encode
 
     class Tok:
-        def __init__(self, bos):
-            self.bos = bos
+        def __init__(self, bos, eos=None):
+            self.bos, self.eos = bos, eos
 
-        def encode(self, text):
-            ids = ([self.bos] if self.bos is not None else []) + [ord(c) for c in text]
+        def encode(self, text, add_special_tokens=True):
+            ids = [ord(c) for c in text]
+            if add_special_tokens:
+                ids = ([self.bos] if self.bos is not None else []) + ids
+                ids += [self.eos] if self.eos is not None else []
             return type("E", (), {"ids": ids})()
 
     assert make_encode(Tok(None), 0)("ab") == [0, 97, 98]
-    assert make_encode(Tok(0), 0)("ab") == [0, 97, 98]  # the tokenizer's own BOS is kept
+    assert make_encode(Tok(0), 0)("ab") == [0, 97, 98]  # one BOS, not the tokenizer's too
+    assert make_encode(Tok(5), 0)("ab") == [0, 97, 98]  # the model's BOS, not a second one
+    assert make_encode(Tok(0, eos=1), 0)("ab") == [0, 97, 98]  # no EOS ends the prompt
     assert make_encode(Tok(None), None)("ab") == [97, 98]
+    assert make_encode(Tok(3), None)("ab") == [3, 97, 98]  # no model BOS: the tokenizer's
 
 
 def test_method_names():
