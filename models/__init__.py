@@ -20,6 +20,7 @@ Step by step (what ``generate``'s ``lax.scan`` runs, for tools and benchmarks)::
 from models.config import ModelConfig, from_hf_config, llama31_8b, qwen3_8b, rope_inv_freq
 from models.decoding import (
     DecodeState,
+    KeyBiasWarning,
     Prepared,
     bucket_length,
     check_mesh,
@@ -63,6 +64,7 @@ __all__ = [
     "abstract_cache", "abstract_caches", "abstract_model", "abstract_nbytes", "Backends",
     "bucket_length", "CausalLM", "check_mesh", "decode_forward", "decode_step",
     "decode_step_hlo", "DecodeState", "describe_stops", "first_state", "fold_value_rotation",
+    "KeyBiasWarning",
     "format_table", "from_hf_config", "from_pretrained", "fused_cache_write", "generate",
     "generate_program", "generate_stepwise", "layer_params", "llama31_8b", "load_config",
     "Local", "lower_generate", "memory_table", "ModelConfig", "param_nbytes", "placement",

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -196,6 +197,18 @@ class Prepared(NamedTuple):
         return self.st.place.stacked_params(self.model, self.kv)
 
 
+class KeyBiasWarning(UserWarning):
+    """A rotated-key INT2 cache on a model whose k projection has a bias (``prepare``)."""
+
+
+KEY_BIAS_WARNING = (
+    "kv method {method!r} rotates the keys of a model with k-projection biases (Qwen2 style): "
+    "on Qwen2.5-0.5B that made INT2 perplexity +177% over bf16 where 'ots_only' (no rotation) "
+    "gave +2.5% and 'kivi' +5.0% (ACCURACY.md); check this model with python3 -m "
+    "benchmarks.real_model_keys, or use oj.preset('ots_only', bits=2)"
+)
+
+
 def prepare(
     m: CausalLM,
     input_ids,
@@ -259,6 +272,8 @@ def prepare(
         pad_token_id = m.config.pad_token_id
     if pad_token_id is None:
         pad_token_id = stops[0] if stops else 0
+    if kv.rotate_keys and kv.quantized and kv.bits <= 2 and m.config.qkv_bias:
+        warnings.warn(KEY_BIAS_WARNING.format(method=kv.method), KeyBiasWarning, stacklevel=3)
     be = Backends.of(implementation)
     be = be.replace(prompt_attention=_check_prompt_attention(be.prompt_attention, m.dtype, mesh))
     cache_kv = kv.replace(rotate_values=False) if kv.rotate_values else kv

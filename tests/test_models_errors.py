@@ -283,3 +283,26 @@ def test_corrupted_header(tmp_path):
     with pytest.raises(ValueError, match="corrupted safetensors header") as e:
         models.from_pretrained(tmp_path)
     assert path in str(e.value)
+
+
+def test_rotated_int2_keys_on_a_model_with_k_biases_warn():
+    """Qwen2-style k biases break the key rotation at INT2 (ACCURACY.md): prepare says so,
+    once per call, and stays silent for the presets that do not rotate keys."""
+    import warnings
+
+    from flax import nnx
+
+    cfg = models.ModelConfig(family="qwen2", vocab_size=64, hidden_size=32, intermediate_size=64,
+                             num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                             qkv_bias=True)  # fmt: skip
+    m = models.CausalLM(cfg, rngs=nnx.Rngs(0))
+    ids = np.ones((1, 4), np.int32)
+    with pytest.warns(models.KeyBiasWarning, match="ots_only"):
+        models.prepare(m, ids, max_new_tokens=2, kv=oj.preset("oscar", bits=2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", models.KeyBiasWarning)
+        for kv in (oj.preset("ots_only", bits=2), oj.preset("kivi", bits=2),
+                   oj.preset("oscar", bits=4), oj.preset("bf16")):  # fmt: skip
+            models.prepare(m, ids, max_new_tokens=2, kv=kv)
+        plain = models.CausalLM(cfg.replace(qkv_bias=False), rngs=nnx.Rngs(0))
+        models.prepare(plain, ids, max_new_tokens=2, kv=oj.preset("oscar", bits=2))
