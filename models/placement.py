@@ -104,9 +104,12 @@ class Sharded:
         """As ``Local.write_step``, each device on its own rows and heads."""
         if cache_write == "triton":
             return _cache_write.sharded_fused_update(c, k_t, v_t, todo, self.mesh, ax=self.axes)
-        c = osh.sharded_append(c, k_t, v_t, self.mesh, ax=self.axes, flush=False)
-        todo = todo._replace(flush=todo.flush & (c.flags >= 0))  # as oscar_jax.flush.write_step
-        return osh.sharded_write_flush(c, todo, self.mesh, self.axes)
+        mesh, ax = self.mesh, self.axes
+        return ofl.write_step(
+            c, k_t, v_t, todo,
+            append=lambda c, k, v: osh.sharded_append(c, k, v, mesh, ax=ax, flush=False),
+            write=lambda c, f: osh.sharded_write_flush(c, f, mesh, ax),
+        )  # fmt: skip
 
     def append(self, c, k_t, v_t, *, implementation):
         return osh.sharded_append(c, k_t, v_t, self.mesh, ax=self.axes, flush=True,

@@ -92,14 +92,9 @@ def _bundled_text_for(m) -> np.ndarray:
     bos_own = models.load_config(BUNDLED).bos_token_id
     ids = np.load(os.path.join(BUNDLED, "heldout_sample.npy")).reshape(-1)
     cuts = np.flatnonzero(ids == bos_own).tolist() + [len(ids)]
-    bos = m.config.bos_token_id
-    out: list[int] = []
-    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
-        text = own.decode(ids[a + 1 : b].tolist())
-        if text.strip():
-            enc = m.tokenizer.encode(text, add_special_tokens=False).ids
-            out += ([bos] if bos is not None else []) + list(enc)
-    return np.asarray(out, np.int64)
+    encode = oscar_eval.common.make_encode(m.tokenizer, m.config.bos_token_id)
+    texts = (own.decode(ids[a + 1 : b].tolist()) for a, b in zip(cuts[:-1], cuts[1:], strict=True))
+    return np.asarray([i for t in texts if t.strip() for i in encode(t)], np.int64)
 
 
 def _settings(args, max_pos: int):

@@ -25,7 +25,15 @@ from models import bucket_length, generate
 from oscar_eval import niah as eval_niah
 from oscar_eval import ppl as eval_ppl
 from oscar_eval import tni as eval_tni
-from oscar_eval.common import Progress, ci, make_windows, md_table, parse_method, parse_methods
+from oscar_eval.common import (
+    Progress,
+    ci,
+    make_encode,
+    make_windows,
+    md_table,
+    parse_method,
+    parse_methods,
+)
 from oscar_eval.passkey import score_passkey
 from oscar_eval.tasks import decoder
 
@@ -109,7 +117,7 @@ def run_demo(args, path: str, load, heldout_fn) -> int:
         f"jax {jax.__version__} on {jax.devices()[0].platform} (loaded in {t_load:.1f} s)\n"
     )
     heldout, src = heldout_fn(args, m, path)
-    enc = eval_niah.make_encode(m.tokenizer, mc.bos_token_id)
+    enc = make_encode(m.tokenizer, mc.bos_token_id)
     if args.prompt is not None:
         ids = enc(args.prompt)
     elif heldout is not None:

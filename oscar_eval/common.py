@@ -21,6 +21,7 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -169,6 +170,20 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float, float]:
 
 
 # -- data ---------------------------------------------------------------------------
+def make_encode(tokenizer, bos: int | None) -> Callable[[str], list[int]]:
+    """Text -> ids as the model saw them in training: one ``bos`` first, then the text
+    without the tokenizer's own special tokens (a post-processor's BOS would come twice
+    if it differed from ``bos``, and its EOS would end the prompt). With ``bos`` None the
+    tokenizer's own special tokens are kept."""
+
+    def encode(text: str) -> list[int]:
+        if bos is None:
+            return list(tokenizer.encode(text).ids)
+        return [bos, *tokenizer.encode(text, add_special_tokens=False).ids]
+
+    return encode
+
+
 def make_windows(tokens, ctx: int, max_windows: int | None = None, bos: int | None = None):
     """Non-overlapping windows [N, ctx] of a token stream, each starting at a BOS when possible.
 

@@ -27,20 +27,6 @@ LENGTHS = (512, 1024, 2048, 4096)
 DEPTHS = tuple(range(0, 101, 10))  # percent
 
 
-def make_encode(tokenizer, bos: int | None) -> Callable[[str], list[int]]:
-    """Text -> ids as the model saw them in training: one ``bos`` first, then the text
-    without the tokenizer's own special tokens (a post-processor's BOS would come twice
-    if it differed from ``bos``, and its EOS would end the prompt). With ``bos`` None the
-    tokenizer's own special tokens are kept."""
-
-    def encode(text: str) -> list[int]:
-        if bos is None:
-            return list(tokenizer.encode(text).ids)
-        return [bos, *tokenizer.encode(text, add_special_tokens=False).ids]
-
-    return encode
-
-
 def build_prompts(encode, lengths, depths, trials: int, seed: int = NIAH_SEED) -> list[dict]:
     """One dict per (length, depth %, trial): ids, answer, length, depth."""
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:

@@ -26,7 +26,7 @@ import numpy as np
 from models.model import CausalLM
 from oscar_eval import programs as ep
 from oscar_eval import tasks as et
-from oscar_eval.common import make_windows, parse_methods
+from oscar_eval.common import make_encode, make_windows, parse_methods
 from oscar_eval.settings import Settings
 
 
@@ -50,13 +50,8 @@ def load_heldout(path: str, tokenizer=None, bos: int | None = None) -> np.ndarra
         raise ValueError(f"{path}: a text file needs the model's tokenizer (tokenizer.json)")
     with open(path, encoding="utf-8") as f:
         docs = [d for d in f.read().split("\n\n") if d.strip()]
-    ids: list[int] = []
-    for d in docs:
-        if bos is None:
-            ids += list(tokenizer.encode(d).ids)
-        else:
-            ids += [bos, *tokenizer.encode(d, add_special_tokens=False).ids]
-    return np.asarray(ids, np.int64)
+    encode = make_encode(tokenizer, bos)
+    return np.asarray([i for d in docs for i in encode(d)], np.int64)
 
 
 def _previous(out_dir: str) -> dict:

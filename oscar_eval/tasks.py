@@ -22,7 +22,7 @@ from oscar_eval import ppl as eval_ppl
 from oscar_eval import programs as ep
 from oscar_eval import sinks
 from oscar_eval import tni as eval_tni
-from oscar_eval.common import Progress, ablation_methods, parse_method, parse_methods
+from oscar_eval.common import Progress, ablation_methods, make_encode, parse_method, parse_methods
 from oscar_eval.report import markdown
 from oscar_eval.settings import Settings
 
@@ -199,7 +199,7 @@ def task_ppl(c: Ctx) -> None:
 def _niah_prompts(m: CausalLM, s: Settings) -> list[dict]:
     if m.tokenizer is None:
         raise ValueError("task niah needs the model's tokenizer (tokenizer.json in --model)")
-    enc = eval_niah.make_encode(m.tokenizer, m.config.bos_token_id)
+    enc = make_encode(m.tokenizer, m.config.bos_token_id)
     return eval_niah.build_prompts(enc, s.niah_lengths, s.niah_depths, s.niah_trials,
                                    s.niah_seed)  # fmt: skip
 

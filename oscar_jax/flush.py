@@ -103,15 +103,23 @@ def write_flush(cache: KVCache, f: Flush, q_offset=0) -> KVCache:
     return write_groups(cache, f.ek, f.ev, f.nq, f.flush, q_offset)
 
 
-def write_step(cache: KVCache, k_t: Array, v_t: Array, f: Flush) -> KVCache:
+def _ring_only(cache: KVCache, k_t: Array, v_t: Array) -> KVCache:
+    return append_to_ring(cache, k_t, v_t)[0]
+
+
+def write_step(
+    cache: KVCache, k_t: Array, v_t: Array, f: Flush, *, append=_ring_only, write=write_flush
+) -> KVCache:
     """One decode step's writes when its flush was encoded early (``prepare_flushes``): the
     token k_t / v_t [B, H, D] into the ring, then the flushed groups (``write_flush``). The
     "xla" cache write of ``oscar_jax.backends`` (``pallas_kernels.cache_write.fused_update``
     writes the same bits in one launch). The flush mask is ANDed with this cache's
     ``flags >= 0`` (always true) so that XLA cannot hoist the group writes, nor later reads
-    of the cache, of every layer to the start of a step and hold them all at once."""
-    c = append_to_ring(cache, k_t, v_t)[0]
-    return write_flush(c, f._replace(flush=f.flush & (c.flags >= 0)))
+    of the cache, of every layer to the start of a step and hold them all at once.
+    ``append(cache, k_t, v_t)`` / ``write(cache, f)``: the ring write and the group store
+    (their per-shard forms under a mesh)."""
+    c = append(cache, k_t, v_t)
+    return write(c, f._replace(flush=f.flush & (c.flags >= 0)))
 
 
 def flush_early(caches, implementation: str = "xla", **options) -> tuple[KVCache, ...]:

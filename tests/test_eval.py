@@ -165,7 +165,7 @@ def test_passkey_prompts_and_scorer_are_deterministic():
 
 
 def test_make_encode_adds_bos_once():
-    from oscar_eval.niah import make_encode
+    from oscar_eval.common import make_encode
 
     class Tok:
         def __init__(self, bos, eos=None):

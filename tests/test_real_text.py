@@ -17,8 +17,7 @@ from test_gguf import _DIR, write_gguf
 import models
 import oscar_eval
 from oscar_cli import cli
-from oscar_eval import niah
-from oscar_eval.common import make_windows
+from oscar_eval.common import make_encode, make_windows
 
 DOCS = ["The cat sat on the mat. It was happy there.", "A second one, with numbers 12 and 345."]
 
@@ -50,7 +49,7 @@ def test_heldout_text_has_one_bos_per_document(gguf_model, tmp_path):
 
 def test_niah_prompt_starts_with_one_bos(gguf_model):
     m, bos = gguf_model, gguf_model.config.bos_token_id
-    enc = niah.make_encode(m.tokenizer, bos)
+    enc = make_encode(m.tokenizer, bos)
     ids = enc(DOCS[0])
     assert ids[0] == bos and ids[1] != bos and ids.count(bos) == 1
     assert ids[1:] == m.tokenizer.encode(DOCS[0], add_special_tokens=False).ids
