@@ -33,7 +33,7 @@ import oscar_eval
 from models import fetch
 from oscar_cli.demo import default_out, run_demo
 from oscar_eval.common import DEFAULT_METHODS, parse_methods
-from oscar_eval.settings import MAX_DEFAULT_CTX, NIAH_LENGTHS, TASKS
+from oscar_eval.settings import MAX_DEFAULT_CTX, NIAH_LENGTHS, PPL_SCORES, TASKS
 from oscar_jax.__main__ import main as study
 from oscar_proxy import BUNDLED
 
@@ -101,7 +101,8 @@ def _settings(args, max_pos: int):
     """Settings of the command line, for a model trained on ``max_pos`` tokens."""
     s = oscar_eval.Settings(
         methods=args.methods, tasks=args.tasks, ctx=args.ctx, ppl_windows=args.ppl_windows,
-        ppl_batch=args.ppl_batch, niah_lengths=args.niah_lengths, niah_depths=args.niah_depths,
+        ppl_batch=args.ppl_batch, ppl_score=args.ppl_score, niah_lengths=args.niah_lengths,
+        niah_depths=args.niah_depths,
         niah_trials=args.niah_trials, niah_batch=args.niah_batch, niah_seed=args.niah_seed,
         tni_windows=args.tni_windows, ablation_base=args.ablation_base,
         residual_length=args.residual, group_size=args.group, cache_dtype=args.cache_dtype,
@@ -237,6 +238,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--ppl-windows", type=int, default=None, help="max windows (default all)")
     e.add_argument("--ppl-batch", type=int, default=None,
                    help="windows per call (default: up to 32 off-CPU, 1 on a CPU)")  # fmt: skip
+    e.add_argument("--ppl-score", default="all", choices=PPL_SCORES,
+                   help="tokens of a window that perplexity scores: all, or second_half "
+                        "(positions ctx/2 and later, each with a long quantized history; "
+                        "default: %(default)s)")  # fmt: skip
     e.add_argument("--niah-lengths", type=_ints, default=None,
                    help="comma-separated prompt lengths in tokens (default: those of "
                         + ",".join(map(str, NIAH_LENGTHS)) + " within the model's "

@@ -111,17 +111,22 @@ def ablation_methods(
 ) -> list[tuple[str, str, str]]:  # fmt: skip
     """(factor, setting, method name) of the ablations the paper leaves open, around ``base``.
 
-    The base runs at the evaluation's R and G with Hadamard rotation and bf16 norms;
-    each row changes one factor (a row at the base's own setting is the base).
+    The base runs at the evaluation's R and G with Hadamard rotation, bf16 norms and one
+    norm per (token, KV head); each row changes one factor (a row at the base's own
+    setting is the base): R, G, the rotation's kind, the norms' dtype and their
+    granularity (per head, or one per token over all KV heads as the official code).
     """
     rows = [("residual R", str(r), base if r == residual_length else f"{base}_r{r}")
             for r in r_values]  # fmt: skip
     rows += [("group G", str(g), base if g == group_size else f"{base}_g{g}") for g in g_values]
     rows += [
         ("rotation", "hadamard", base),
+        ("rotation", "randomized_hadamard", f"{base}_randhad"),
         ("rotation", "random_orthogonal", f"{base}_randorth"),
         ("token norm dtype", "bfloat16", base),
         ("token norm dtype", "float32", f"{base}_normfp32"),
+        ("token norm granularity", "per_head", base),
+        ("token norm granularity", "per_token (one over all KV heads)", f"{base}_pertoken"),
     ]
     return rows
 

@@ -36,6 +36,7 @@ from models import layers
 from models.config import ModelConfig
 from models.model import CausalLM
 from oscar_eval.common import Method, Progress, bootstrap_ppl
+from oscar_eval.settings import PPL_SCORES
 from oscar_jax import codec, hadamard
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -219,24 +220,43 @@ def window_nll(
     return (nll, np.concatenate(norms)) if keep_norms else (nll, None)
 
 
+SCORES = PPL_SCORES
+
+
+def score_start(t: int, score: str = "all") -> int:
+    """Index into a window's per-token NLL [T-1] (entry i scores token i + 1) where scoring
+    starts: 0 for ``"all"``; for ``"second_half"`` the entry of token T // 2, so that only
+    tokens at positions T // 2 .. T-1 count (each sees at least T // 2 tokens of history,
+    most of it quantized, instead of the first R + G positions that see no quantized key)."""
+    if score not in SCORES:
+        raise ValueError(f"{score=} must be one of {SCORES}")
+    if isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 2:
+        raise ValueError(f"{t=} must be an int >= 2 (tokens per window)")
+    return 0 if score == "all" else max(t // 2 - 1, 0)
+
+
 def perplexity(
     m: CausalLM, windows, methods: list[Method], *, batch: int = 1, ref: str = "bf16",
     memo: dict | None = None, cache_dtype=None, show_progress: bool = True, seed: int = 0,
+    score: str = "all",
 ) -> list[dict]:  # fmt: skip
     """Perplexity of each method over the windows, with 95% bootstrap CIs over windows.
 
     One row per method (``bootstrap_ppl``'s fields plus bits, R, G), with the paired
     difference to the method named ``ref`` when that one is among the methods or in
     ``memo`` (a dict name -> per-window NLL sums, filled and reused across calls; one
-    ``cache_dtype`` per memo).
+    ``cache_dtype`` and one ``score`` per memo). ``score``: which tokens of a window
+    count, ``"all"`` (every token after the first) or ``"second_half"`` (``score_start``).
     """
     memo = {} if memo is None else memo
+    t = int(np.asarray(windows).shape[1])
+    start = score_start(t, score)
     todo = [mt for mt in sorted(methods, key=lambda mt: mt.name != ref) if mt.name not in memo]
     for mt in todo:
         bar = Progress(len(windows), f"ppl {mt.name:<20}", enabled=show_progress)
         nll, _ = window_nll(m, windows, mt.kv, batch=batch, cache_dtype=cache_dtype, progress=bar)
-        memo[mt.name] = nll.sum(axis=1)
-    count = np.full(len(windows), np.asarray(windows).shape[1] - 1, np.float64)
+        memo[mt.name] = nll[:, start:].sum(axis=1)
+    count = np.full(len(windows), t - 1 - start, np.float64)
     rows = []
     for mt in methods:
         other = memo.get(ref) if mt.name != ref else None

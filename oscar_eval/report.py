@@ -75,7 +75,11 @@ def markdown(res: dict) -> str:
     if "ppl" in res:
         st = res["settings"]
         rows = [_ppl_cis(r) for r in res["ppl"]]
+        scored = (
+            "second half of each window" if st.get("ppl_score") == "second_half" else "every token"
+        )
         out += [f"## Perplexity (context {st['ctx']}, {res['ppl_windows']} windows, "
+                f"scored: {scored}, "
                 "cache-exact: each token attends to the cache as when decoded; full-precision "
                 f"K/V in {st['cache_dtype']})", "",
                 md_table(rows, ["method", "ppl", "ci", "delta_vs_bf16", "dci", "tokens"],
@@ -134,7 +138,8 @@ def markdown(res: dict) -> str:
         rows = [_ppl_cis(r) for r in res["ablations"]]
         st = res["settings"]
         out += [f"## Ablations of {st['ablation_base']} (one factor changed from R="
-                f"{st['residual_length']}, G={st['group_size']}, Hadamard, bf16 norms)", "",
+                f"{st['residual_length']}, G={st['group_size']}, Hadamard, bf16 norms per KV head)",
+                "",
                 md_table(rows, ["factor", "setting", "method", "ppl", "ci", "delta_vs_bf16",
                                 "dci", "key_mse_layer_mean"],
                          ["factor", "setting", "method", "ppl", "95% CI", "ppl - bf16",

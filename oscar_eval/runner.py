@@ -140,7 +140,7 @@ def run_eval(
         windows = make_windows(heldout, s.ctx, s.ppl_windows, bos)
         tni_windows = windows[: s.tni_windows]
         key = {"ctx": s.ctx, "cache_dtype": s.cache_dtype, "R": s.residual_length,
-               "G": s.group_size, "dtype": m.dtype.name,
+               "G": s.group_size, "dtype": m.dtype.name, "score": s.ppl_score,
                "windows_sha256": hashlib.sha256(windows.tobytes()).hexdigest()}  # fmt: skip
         if res.get("ppl_key") == key:
             memo = {n: np.asarray(v) for n, v in res.get("ppl_nll", {}).items()}

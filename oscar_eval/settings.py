@@ -7,6 +7,7 @@ import dataclasses
 from oscar_eval.common import DEFAULT_METHODS
 
 TASKS = ("ppl", "niah", "tni", "ablations")
+PPL_SCORES = ("all", "second_half")  # oscar_eval.ppl.score_start
 MAX_DEFAULT_CTX = 4096  # the default context: the model's training context, capped here
 NIAH_LENGTHS = (512, 1024, 2048, 4096)  # the default needle lengths, those within the context
 
@@ -26,6 +27,7 @@ class Settings:
     ctx: int | None = None  # perplexity / TNI context; None: the model's (see resolve)
     ppl_windows: int | None = None  # None: every window of the held-out sample
     ppl_batch: int | None = None  # windows per call; None: all (<= 32) off-CPU, 1 on a CPU
+    ppl_score: str = "all"  # scored tokens of a window: "all" or "second_half" (ppl, ablations)
     niah_lengths: tuple[int, ...] | None = None  # None: NIAH_LENGTHS within the context
     niah_depths: tuple[int, ...] = tuple(range(0, 101, 10))
     niah_trials: int = 2  # prompts per (length, depth) cell
@@ -60,6 +62,8 @@ class Settings:
             ctx = min(int(max_position_embeddings), MAX_DEFAULT_CTX)
         if isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 2:
             raise ValueError(f"ctx={self.ctx!r} must be an int >= 2 or None (the model's)")
+        if self.ppl_score not in PPL_SCORES:
+            raise ValueError(f"ppl_score={self.ppl_score!r} must be one of {PPL_SCORES}")
         lengths = self.niah_lengths
         if lengths is None:
             lengths = tuple(n for n in NIAH_LENGTHS if n <= max_position_embeddings)

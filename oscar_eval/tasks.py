@@ -173,13 +173,14 @@ def _ppl_rows(c: Ctx, methods) -> list[dict]:
     if not done:
         return []
     return eval_ppl.perplexity(c.m, c.windows, done, memo=c.memo, cache_dtype=c.s.cache_dtype,
-                               show_progress=False, seed=c.s.seed)  # fmt: skip
+                               show_progress=False, seed=c.s.seed,
+                               score=c.s.ppl_score)  # fmt: skip
 
 
 def _run_ppl(c: Ctx, mt) -> None:
     eval_ppl.perplexity(c.m, c.windows, [mt], batch=c.ppl_batch, memo=c.memo,
                         cache_dtype=c.s.cache_dtype, show_progress=c.s.show_progress,
-                        seed=c.s.seed)  # fmt: skip
+                        seed=c.s.seed, score=c.s.ppl_score)  # fmt: skip
 
 
 def task_ppl(c: Ctx) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -203,8 +204,22 @@ def test_method_names():
     kvs = {name: parse_method(name).kv for _, _, name in rows}
     assert {kv.residual_length for kv in kvs.values()} == {0, 32, 128}
     assert {kv.group_size for kv in kvs.values()} == {32, 64, 128}
-    assert {kv.rotation for kv in kvs.values()} == {"hadamard", "random_orthogonal"}
+    assert {kv.rotation for kv in kvs.values()} == {
+        "hadamard", "randomized_hadamard", "random_orthogonal"}  # fmt: skip
     assert {kv.norm_dtype for kv in kvs.values()} == {"bfloat16", "float32"}
+    assert {kv.norm_granularity for kv in kvs.values()} == {"per_head", "per_token"}
+    for factor in {f for f, _, _ in rows}:  # one factor at a time: the rest is the base's
+        other = [n for f, _, n in rows if f == factor and n != "oscar2"]
+        assert all(
+            sum(
+                a != b
+                for a, b in zip(
+                    dataclasses.astuple(kvs[n]), dataclasses.astuple(kvs["oscar2"]), strict=True
+                )
+            )
+            == 1
+            for n in other
+        ), factor
 
 
 def test_statistics():
