@@ -14,6 +14,10 @@ The weights likewise: with per-layer params (``layers.unstack_layers``, a tuple 
 dicts) each layer's GEMMs read its weights where they lie; stacked [L, ...] params
 still work, but a slice of a layer feeding a GEMM is a copy at larger batch (and on
 the CPU), so every step would copy every layer's weights.
+
+Gemma 3's sliding-window layers hold a ``models.window.WindowCache`` (a full-precision
+ring of the window) instead of a ``KVCache``: the tuple of caches mixes the two, the
+early flushes are prepared for the ``KVCache`` layers only.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 import oscar_jax as oj
 from models import layers
+from models import window as mwin
 from models.config import ModelConfig
 from models.placement import Local, Placement
 from oscar_jax import flush as ofl
@@ -106,7 +111,10 @@ def prefill_forward(st: Static, params, ids, lengths):
         k, v = place.constrain(k, kv_spec), place.constrain(v, kv_spec)
     last = x[jnp.arange(b), lengths - 1]
     logits = place.constrain(layers.lm_head(mc, params, last), P(ax.data, None))
-    caches = tuple(_fill(st, k[i], v[i], lengths) for i in range(mc.num_layers))  # each its own
+    caches = tuple(
+        (_fill_window if mc.is_local(i) else _fill)(st, k[i], v[i], lengths)
+        for i in range(mc.num_layers)
+    )  # each its own
     return logits, place.constrain_caches(caches)
 
 
@@ -121,6 +129,15 @@ def _fill(st: Static, k, v, lengths):
     return oj.prefill(c, k, v, lengths, implementation=st.backends.encode)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _fill_window(st: Static, k, v, lengths):
+    """A local layer's ring from its prompt K/V [B, T, Hkv, D]."""
+    mc = st.model
+    size = mwin.ring_size(mc.sliding_window, st.max_len)
+    c = mwin.init(k.shape[0], mc.num_kv_heads, mc.head_dim, size, jnp.dtype(st.cache_dtype))
+    return mwin.prefill(c, k, v, lengths)
+
+
 def fused_cache_write(st: Static, c) -> bool:
     """Whether a layer's cache update is one launch (``pallas_kernels.cache_write``): with
     ``Backends.cache_write="triton"``, early flushes and a cache (and placement) it covers;
@@ -128,6 +145,24 @@ def fused_cache_write(st: Static, c) -> bool:
     if st.backends.cache_write != "triton" or not ofl.can_flush_early(c):
         return False
     return st.place.fused_write_ok(c)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _local_layer(st: Static, x, lp, c: mwin.WindowCache, pos):
+    """One sliding-window layer of a step over its ring: x [B, 1, Hd] -> (x, ring)."""
+    mc, place, ax = st.model, st.place, st.axes
+    x_spec = P(ax.data, None, None)
+    x = place.constrain(x, x_spec)
+    written = []
+
+    def attend(q, k, v):  # [B, 1, Hq | Hkv, D]
+        cw = mwin.append(c, k[:, 0], v[:, 0])
+        written.append(cw)
+        return mwin.attention(q[:, 0], cw)[:, None].astype(x.dtype)
+
+    x, _ = layers.block(mc, lp, x, pos[:, None], attend,
+                        between=lambda x: place.constrain(x, x_spec), local=True)  # fmt: skip
+    return x, written[0]
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -164,17 +199,25 @@ def decode_forward(st: Static, params, caches, tok, pos):
     ``caches``: tuple of L per-layer caches, updated in place (with donation or as a
     loop carry); the layers run in a Python loop (see the module docstring).
     """
-    place = st.place
-    caches = place.constrain_caches(tuple(caches))
-    todo = (None,) * len(caches)
-    if ofl.can_flush_early(caches[0]):  # the step's flushes: one batched encode, first
-        caches, todo = place.prepare_flushes(
-            caches, st.backends.encode, clear=not fused_cache_write(st, caches[0])
-        )
-    x = layers.embed(params, tok[:, None])  # [B, 1, Hd]
+    place, mc = st.place, st.model
+    caches = list(place.constrain_caches(tuple(caches)))
+    todo = [None] * len(caches)
+    glob = mc.global_layers  # the KVCache layers (all, without sliding-window layers)
+    if glob and ofl.can_flush_early(caches[glob[0]]):  # the step's flushes: one encode, first
+        got, todo_g = place.prepare_flushes(
+            tuple(caches[i] for i in glob), st.backends.encode,
+            clear=not fused_cache_write(st, caches[glob[0]]),
+        )  # fmt: skip
+        for j, i in enumerate(glob):
+            caches[i], todo[i] = got[j], todo_g[j]
+    x = layers.embed(params, tok[:, None], mc)  # [B, 1, Hd]
     out = []
     for i, c in enumerate(caches):
-        x, c = _layer(st, x, layer_params(params, i, after=x), c, pos, todo[i])
+        lp = layer_params(params, i, after=x)
+        if mc.is_local(i):
+            x, c = _local_layer(st, x, lp, c, pos)
+        else:
+            x, c = _layer(st, x, lp, c, pos, todo[i])
         out.append(c)
     logits = place.constrain(layers.lm_head(st.model, params, x[:, 0]), P(st.axes.data, None))
     return logits, place.constrain_caches(tuple(out))

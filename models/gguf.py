@@ -40,7 +40,7 @@ from models.config import ModelConfig
 from models.gguf_tokenizer import tokenizer_from_header
 from models.model import CausalLM
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 _REQUIRED = object()
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
            10: "<Q", 11: "<q", 12: "<d"}  # fmt: skip
@@ -57,6 +57,14 @@ LAYER_NAMES = {
     "w_gate": "ffn_gate.weight", "w_up": "ffn_up.weight", "w_down": "ffn_down.weight",
     "attn_norm": "attn_norm.weight", "mlp_norm": "ffn_norm.weight",
 }  # fmt: skip
+# Gemma 3: four norms per layer (llama.cpp's converter stores every Gemma norm weight as
+# 1 + w: the loader subtracts the 1 again, as transformers' GGUF loading does)
+GEMMA3_NAMES = {
+    **LAYER_NAMES, "post_attn_norm": "post_attention_norm.weight",
+    "mlp_norm": "ffn_norm.weight", "post_mlp_norm": "post_ffw_norm.weight",
+}  # fmt: skip
+# llama.cpp's Gemma 3: every 6th layer global, local RoPE base 10000
+GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = 6, 10000.0
 TOP_NAMES = {"embed": "token_embd.weight", "norm": "output_norm.weight", "lm_head": "output.weight"}
 _TRANSPOSED = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head"}
 
@@ -261,7 +269,9 @@ def config_from_header(h: GGUFHeader) -> ModelConfig:
     if arch not in ARCHITECTURES:
         raise ValueError(f"{h.path}: general.architecture={arch!r} must be one of {ARCHITECTURES}")
     a = lambda key, kind, default=_REQUIRED: h.get(f"{arch}.{key}", kind, default)  # noqa: E731
-    for key, bad in (("expert_count", lambda v: v > 0), ("attention.sliding_window", bool),
+    sw_ok = arch == "gemma3"
+    for key, bad in (("expert_count", lambda v: v > 0),
+                     ("attention.sliding_window", lambda v: bool(v) and not sw_ok),
                      ("rope.scaling.type", lambda v: v not in ("none", "linear"))):  # fmt: skip
         v = h.metadata.get(f"{arch}.{key}")
         if v is not None and bad(v):
@@ -316,6 +326,24 @@ def config_from_header(h: GGUFHeader) -> ModelConfig:
         o_bias=has("attn_output.bias"), qk_norm=arch == "qwen3",
         bos_token_id=tok("bos_token_id"), eos_token_ids=eos, pad_token_id=tok("padding_token_id"),
     )  # fmt: skip
+    if arch == "gemma3":
+        pattern = h.metadata.get(f"{arch}.attention.sliding_window_pattern")
+        if pattern is not None and not isinstance(pattern, int | np.integer):
+            local = tuple(i for i, p in enumerate(np.asarray(pattern).tolist()) if p)
+        else:
+            every = int(pattern or GEMMA3_PATTERN)
+            local = tuple(i for i in range(n_layers) if (i + 1) % every)
+        # llama.cpp: 1/sqrt(head_dim), except 27B (hidden 5376): 1/sqrt(hidden / heads)
+        qpas = hidden / heads if hidden == 5376 else head_dim
+        kw.update(
+            norm_offset=1.0, sandwich_norm=True, hidden_act="gelu_tanh", embed_scale=True,
+            qk_norm=True, query_pre_attn_scalar=float(qpas), local_layers=local,
+            sliding_window=a("attention.sliding_window", int) if local else None,
+            rope_local_theta=GEMMA3_LOCAL_THETA,
+            final_logit_softcapping=a("final_logit_softcapping", float, None),
+        )  # fmt: skip
+        if a("attn_logit_softcapping", float, None):
+            raise ValueError(f"{h.path}: {arch}.attn_logit_softcapping is not supported")
     try:
         return ModelConfig(**kw)
     except ValueError as e:
@@ -330,8 +358,9 @@ def _plan(h: GGUFHeader, cfg: ModelConfig) -> dict[str, list[tuple[str, int | No
         (k, s[1:]) for k, s in shapes["layers"].items()
     ]:
         top = key in TOP_NAMES
+        ln = GEMMA3_NAMES if cfg.family == "gemma3" else LAYER_NAMES
         names = [(TOP_NAMES[key], None)] if top else [
-            (f"blk.{i}.{LAYER_NAMES[key]}", i) for i in range(cfg.num_layers)]  # fmt: skip
+            (f"blk.{i}.{ln[key]}", i) for i in range(cfg.num_layers)]  # fmt: skip
         plan[key] = names
         for n, _ in names:
             want[n] = tuple(shape[::-1]) if key in _TRANSPOSED else tuple(shape)
@@ -360,8 +389,6 @@ def load_config(path) -> ModelConfig:
 
 def load(path, dtype=None):
     """A ``CausalLM`` of ``dtype`` (default float32) with ``tokenizer`` from the GGUF file."""
-
-
     h = read_header(path)
     cfg = config_from_header(h)
     plan = _plan(h, cfg)
@@ -377,6 +404,8 @@ def load(path, dtype=None):
             w = dequantize(h, name, mm)
             if cfg.family == "llama" and key in ("wq", "bq", "wk", "bk"):
                 w = unpermute_rows(w, cfg.num_heads if key in ("wq", "bq") else cfg.num_kv_heads)
+            if cfg.norm_offset and "norm" in key:  # the file holds offset + w
+                w = w - np.float32(cfg.norm_offset)
             w = w.T if key in _TRANSPOSED else w
             if i is None:
                 host[...] = w

@@ -17,7 +17,9 @@ the same file (``AutoTokenizer.from_pretrained(dir, gguf_file=...)``; checked in
 * ``tokenizer.ggml.add_bos_token`` / ``add_eos_token``: a post-processor that adds
   them (none for SmolLM2 and Qwen2.5, whose files set add_bos_token false).
 
-Any other ``tokenizer.ggml.model`` or ``pre`` is a ValueError naming the file and field.
+``tokenizer.ggml.model = "llama"`` (sentencepiece: Gemma 3) is converted by transformers
+(``AutoTokenizer.from_pretrained(dir, gguf_file=...)``) when it is installed. Any other
+``tokenizer.ggml.model`` or ``pre`` is a ValueError naming the file and field.
 """
 
 from __future__ import annotations
@@ -54,6 +56,23 @@ def byte_alphabet() -> dict[int, str]:
     return out
 
 
+def _sentencepiece(h):
+    """A sentencepiece vocabulary (``tokenizer.ggml.model = "llama"``: Gemma 3's) through
+    transformers' GGUF converter, the ids transformers gives; None (with a warning) when
+    transformers is not installed."""
+    import os
+    import warnings
+
+    try:
+        import transformers
+    except ImportError:
+        warnings.warn(f"{h.path}: a sentencepiece tokenizer needs transformers; model.tokenizer "
+                      "is None", stacklevel=3)  # fmt: skip
+        return None
+    d, f = os.path.split(os.path.abspath(h.path))
+    return transformers.AutoTokenizer.from_pretrained(d, gguf_file=f).backend_tokenizer
+
+
 def tokenizer_from_header(h):
     """A ``tokenizers.Tokenizer`` for the file's tokenizer metadata (``h``: a
     ``models.gguf.GGUFHeader``), or None when the file has no tokenizer."""
@@ -62,9 +81,11 @@ def tokenizer_from_header(h):
     kind = meta.get("tokenizer.ggml.model")
     if kind is None:
         return None
+    if kind == "llama":  # sentencepiece (Gemma 3): transformers' converter, if installed
+        return _sentencepiece(h)
     if kind != "gpt2":
         raise ValueError(f"{path}: tokenizer.ggml.model={kind!r} must be 'gpt2' (byte-level "
-                         "BPE; sentencepiece vocabularies are not supported)")  # fmt: skip
+                         "BPE) or 'llama' (sentencepiece, through transformers)")  # fmt: skip
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"{path}: tokenizer.ggml.pre={pre!r} must be one of "

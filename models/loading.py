@@ -51,6 +51,19 @@ HF_LAYER_NAMES = {
     "attn_norm": ("input_layernorm.weight", False),
     "mlp_norm": ("post_attention_layernorm.weight", False),
 }
+# Gemma 3's four norms per layer (its post_attention_layernorm is the norm *after* attention)
+HF_GEMMA3_NAMES = {
+    **HF_LAYER_NAMES,
+    "post_attn_norm": ("post_attention_layernorm.weight", False),
+    "mlp_norm": ("pre_feedforward_layernorm.weight", False),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
+# Qwen3-MoE: the router, and each expert's projections (the hub's per-expert tensors)
+HF_MOE_NAMES = {**HF_LAYER_NAMES, "router": ("mlp.gate.weight", True)}
+HF_EXPERT_NAMES = {
+    "we_gate": ("gate_proj.weight", True), "we_up": ("up_proj.weight", True),
+    "we_down": ("down_proj.weight", True),
+}  # fmt: skip
 HF_TOP_NAMES = {"embed": ("model.embed_tokens.weight", False), "norm": ("model.norm.weight", False),
               "lm_head": ("lm_head.weight", True)}  # fmt: skip
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
@@ -163,25 +176,32 @@ def load_config(path: str) -> ModelConfig:
         return from_hf_config(json.load(f))
 
 
-def expected_hf_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None, bool]]:
-    """HF name -> (our param key, layer index or None, transpose)."""
+def expected_hf_names(cfg: ModelConfig) -> dict[str, tuple[str, int | tuple | None, bool]]:
+    """HF name -> (our param key, layer index, (layer, expert) or None, transpose)."""
     shapes = layers.param_shapes(cfg)
+    names = {"gemma3": HF_GEMMA3_NAMES, "qwen3_moe": HF_MOE_NAMES}.get(cfg.family, HF_LAYER_NAMES)
     out = {}
     for key in shapes:
         if key != "layers":
             hf, tr = HF_TOP_NAMES[key]
             out[hf] = (key, None, tr)
     for key in shapes["layers"]:
-        suffix, tr = HF_LAYER_NAMES[key]
         for i in range(cfg.num_layers):
-            out[f"model.layers.{i}.{suffix}"] = (key, i, tr)
+            if key in HF_EXPERT_NAMES:
+                suffix, tr = HF_EXPERT_NAMES[key]
+                for j in range(cfg.num_experts):
+                    out[f"model.layers.{i}.mlp.experts.{j}.{suffix}"] = (key, (i, j), tr)
+            else:
+                suffix, tr = names[key]
+                out[f"model.layers.{i}.{suffix}"] = (key, i, tr)
     return out
 
 
 def from_pretrained(path: str, dtype=jnp.float32) -> CausalLM:
-    """Load a Llama / Qwen2 / Qwen3 checkpoint directory into a ``CausalLM`` of ``dtype``.
+    """Load a Llama / Qwen2 / Qwen3 / Gemma 3 (text) / Qwen3-MoE checkpoint directory into a
+    ``CausalLM`` of ``dtype`` (Qwen3-MoE: the hub's per-expert tensors).
 
-    ``path`` may also be a GGUF file (llama, qwen2, qwen3 architectures; ``models.gguf``),
+    ``path`` may also be a GGUF file (llama, qwen2, qwen3, gemma3; ``models.gguf``),
     whose tokenizer metadata gives ``model.tokenizer``.
 
     Raises ValueError for a missing directory / config / weights, unsupported config
@@ -221,7 +241,7 @@ def from_pretrained(path: str, dtype=jnp.float32) -> CausalLM:
             _, i, tr = want[hf]
             src = tensors[hf].get(hf)
             src = src.T if tr else src
-            dst_shape = shape if i is None else shape[1:]
+            dst_shape = shape if i is None else shape[1 if isinstance(i, int) else len(i) :]
             if src.shape != tuple(dst_shape):
                 raise ValueError(
                     f"tensor {hf!r} in {tensors[hf].path} has shape {tensors[hf].shape(hf)}, "

@@ -34,10 +34,10 @@ from models.config import ModelConfig
 class _Layers(nnx.Module):
     """Stacked per-layer parameters, one ``nnx.Param`` [L, ...] per kind."""
 
-    def __init__(self, shapes: dict, dtype, rngs: nnx.Rngs):
+    def __init__(self, shapes: dict, dtype, rngs: nnx.Rngs, norm_one: float = 1.0):
         for name, shape in shapes.items():
-            if "norm" in name:
-                val = jnp.ones(shape, dtype)
+            if "norm" in name:  # weights that act as 1 (Gemma's 1 + w: zeros)
+                val = jnp.full(shape, norm_one, dtype)
             elif name.startswith("b"):
                 val = jnp.zeros(shape, dtype)
             else:
@@ -46,7 +46,8 @@ class _Layers(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-    """Llama / Qwen2 / Qwen3 decoder-only LM (one decoder, per-family switches in ``config``).
+    """Llama / Qwen2 / Qwen3 / Gemma 3 / Qwen3-MoE decoder-only LM (one decoder, per-family
+    switches in ``config``).
 
     Attributes: ``config`` (ModelConfig), ``dtype``, ``tokenizer`` (a
     ``tokenizers.Tokenizer`` when loaded from a directory with tokenizer.json, else None).
@@ -60,10 +61,10 @@ class CausalLM(nnx.Module):
         shapes = layers.param_shapes(config)
         init = lambda s: (0.02 * jax.random.normal(rngs.params(), s, jnp.float32)).astype(dtype)
         self.embed = nnx.Param(init(shapes["embed"]))
-        self.norm = nnx.Param(jnp.ones(shapes["norm"], dtype))
+        self.norm = nnx.Param(jnp.full(shapes["norm"], 1.0 - config.norm_offset, dtype))
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Param(init(shapes["lm_head"]))
-        self.layers = _Layers(shapes["layers"], dtype, rngs)
+        self.layers = _Layers(shapes["layers"], dtype, rngs, 1.0 - config.norm_offset)
         self._folded: dict = {}
 
     # -- params as a plain pytree ----------------------------------------------------

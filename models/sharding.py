@@ -9,7 +9,11 @@ Default layout (``oscar_jax.sharding.MeshAxes`` names; every axis must exist, si
   groups are contiguous); ``wo`` is row-split (one all-reduce of the layer's
   output). The MLP likewise: ``w_gate``/``w_up`` column-split, ``w_down`` row-split
   (one all-reduce). Embeddings, ``lm_head``, norms, ``bo`` and ``q_norm``/``k_norm``
-  (over head_dim, shared by all heads) are replicated.
+  (over head_dim, shared by all heads) are replicated. Mixture of experts (Qwen3-MoE):
+  every expert's hidden dimension is split the same way (``we_gate``/``we_up`` column,
+  ``we_down`` row: one all-reduce), the router replicated, so each device holds a slice
+  of every expert and the routing needs no all-to-all. Gemma 3's sliding-window rings
+  (``models.window``) are split by rows and KV heads like the caches.
 * **sequence**: the cache's quantized part along tokens (``oscar_jax.sharding``'s
   layout, per layer); the dense layers are
   replicated over this axis and only attention is split: each device attends over
@@ -25,6 +29,7 @@ or ``max_len`` by ``sequence`` for a ``bf16`` cache).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import warnings
 
@@ -35,11 +40,14 @@ from jax.sharding import PartitionSpec as P
 
 from models import layers
 from models.config import ModelConfig
+from models.window import WindowCache
 from oscar_jax import sharding as osh
 from oscar_jax.cache import KVCache
 from oscar_jax.sharding import AXES, MeshAxes
 
 _COLUMN = ("wq", "wk", "wv", "w_gate", "w_up")  # [(L,) in, out]: out split
+_EXPERT_COLUMN = ("we_gate", "we_up")  # [(L,) E, in, out]: each expert's out split
+_EXPERT_ROW = ("we_down",)  # [(L,) E, in, out]: each expert's in split
 _ROW = ("wo", "w_down")  # [(L,) in, out]: in split
 _BIAS = ("bq", "bk", "bv")  # [(L,) out]: out split
 
@@ -52,11 +60,10 @@ def check_model_mesh(cfg: ModelConfig, mesh: Mesh, ax: MeshAxes = AXES, batch=No
             f"num_kv_heads={cfg.num_kv_heads} must be divisible by the {ax.model} axis ({nm}): "
             "heads are split whole, each KV head with its query heads and its cache"
         )
-    if cfg.intermediate_size % nm:
-        raise ValueError(
-            f"intermediate_size={cfg.intermediate_size} must be divisible by the "
-            f"{ax.model} axis ({nm})"
-        )
+    inter = ("moe_intermediate_size", cfg.moe_intermediate_size) if cfg.is_moe else (
+        "intermediate_size", cfg.intermediate_size)  # fmt: skip
+    if inter[1] % nm:
+        raise ValueError(f"{inter[0]}={inter[1]} must be divisible by the {ax.model} axis ({nm})")
     if batch is not None and batch % nd:
         raise ValueError(f"batch={batch} must be divisible by the {ax.data} axis ({nd})")
 
@@ -97,6 +104,10 @@ def param_specs(cfg: ModelConfig, ax: MeshAxes = AXES, per_layer: bool = False) 
             return P(m, None)
         if name in _BIAS:
             return P(m)
+        if name in _EXPERT_COLUMN:
+            return P(None, None, m)
+        if name in _EXPERT_ROW:
+            return P(None, m, None)
         return P()
 
     one = {k: lay(k) for k in shapes["layers"]}  # one layer's [in, out] / [out]
@@ -142,6 +153,13 @@ def constrain_caches(caches, mesh: Mesh | None, ax: MeshAxes = AXES):
     caches [B, ...], or one KVCache stacked on leading layer axes [L, B, ...]."""
     if mesh is None:
         return caches
+    if isinstance(caches, WindowCache):  # a local layer's ring [B, Hkv, S, D]
+        spec = P(ax.data, ax.model, None, None)
+        return dataclasses.replace(
+            caches, k=constrain(caches.k, mesh, spec), v=constrain(caches.v, mesh, spec),
+            lengths=constrain(caches.lengths, mesh, P(ax.data)),
+            flags=constrain(caches.flags, mesh, P(ax.data)),
+        )  # fmt: skip
     if isinstance(caches, KVCache):
         lead = caches.k_res.ndim - 4
         return jax.lax.with_sharding_constraint(
