@@ -133,7 +133,7 @@ def forward_cached(
     """
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = layers.embed(params, ids)
+    x = layers.embed(params, ids, mc)
 
     def step(x, lp):
         attend = lambda q, k, v: cached_attention(q, k, v, kv, cache_dtype=cache_dtype)  # noqa: E731
@@ -141,7 +141,27 @@ def forward_cached(
         norms = jnp.linalg.norm(k.astype(jnp.float32), axis=-1) if keep_norms else None
         return x, norms
 
-    return jax.lax.scan(step, x, params["layers"])
+    return _scan_layers(mc, step, x, params["layers"], positions, cache_dtype, keep_norms)
+
+
+def _scan_layers(mc: ModelConfig, step, x, lays, positions, cache_dtype, keep_norms: bool):
+    """``lax.scan`` of ``step`` over the stacked layers. Gemma 3's sliding-window layers
+    attend instead in full precision (K/V in the cache dtype) over their window, as
+    decoding does (their cache is ``models.window``'s ring)."""
+    if not mc.local_layers:
+        return jax.lax.scan(step, x, lays)
+
+    def local(x, lp):
+        cd = jnp.dtype(cache_dtype or x.dtype)
+        attend = lambda q, k, v: layers.causal_attention(  # noqa: E731
+            q, k.astype(cd), v.astype(cd), window=mc.sliding_window
+        )
+        x, (k, _) = layers.block(mc, lp, x, positions, attend, local=True)
+        norms = jnp.linalg.norm(k.astype(jnp.float32), axis=-1) if keep_norms else None
+        return x, norms
+
+    kinds = jnp.asarray([mc.is_local(i) for i in range(mc.num_layers)])
+    return jax.lax.scan(lambda x, a: jax.lax.cond(a[1], local, step, x, a[0]), x, (lays, kinds))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

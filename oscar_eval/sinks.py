@@ -31,16 +31,17 @@ def _row_metrics(cfg: ModelConfig, params, ids, offset: int):
     """ids [1, T] -> (attn_first [L, Hq], key ratio [L, Hkv], value ratio [L, Hkv])."""
     t = ids.shape[1]
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    x = layers.embed(params, ids)
+    x = layers.embed(params, ids, cfg)
     outs = []
     for i in range(cfg.num_layers):
         lp = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+        window = cfg.sliding_window if cfg.is_local(i) else None  # Gemma 3's local layers
 
-        def attend(q, k, v):  # [1, T, H, D]: the layer's sink metrics, then its attention
+        def attend(q, k, v, window=window):  # [1, T, H, D]: sink metrics, then attention
             outs.append(_metrics(cfg, q, k, v, offset))
-            return layers.causal_attention(q, k, v)
+            return layers.causal_attention(q, k, v, window=window)
 
-        x, _ = layers.block(cfg, lp, x, pos, attend)
+        x, _ = layers.block(cfg, lp, x, pos, attend, local=window is not None)
     return tuple(jnp.stack(o) for o in zip(*outs, strict=True))
 
 
