@@ -26,6 +26,7 @@ from collections.abc import Callable
 import numpy as np
 
 import oscar_jax as oj
+from oscar_jax import methods as oscar_methods
 
 QUANT_METHODS = ("kivi", "ots_only", "rotation_only", "oscar")
 # The list: bf16; the four methods at 2 and 4 bits; both token-norm granularities
@@ -57,6 +58,9 @@ def parse_method(name: str, residual_length: int = 128, group_size: int = 32) ->
     name = name.strip()
     if name == "bf16":
         return Method("bf16", oj.preset("bf16"))
+    ext = oscar_methods.parse_name(name, residual_length, group_size)  # comparison methods
+    if ext is not None:
+        return Method(name, ext)
     m = _NAME.match(name)
     if m is None:
         raise ValueError(

@@ -38,6 +38,7 @@ from models.model import CausalLM
 from oscar_eval.common import Method, Progress, bootstrap_ppl
 from oscar_eval.settings import PPL_SCORES
 from oscar_jax import codec, hadamard
+from oscar_jax import methods as oscar_methods
 
 HIGHEST = jax.lax.Precision.HIGHEST
 CHUNK = 256  # queries per block: the scores of one block are [B, Hkv, g, CHUNK, T]
@@ -81,11 +82,14 @@ def cached_attention(
     *,
     chunk: int = CHUNK,
     cache_dtype=None,
+    key_offset: Float[Array, "T Hkv D"] | None = None,
 ) -> Float[Array, "B T Hq D"]:
     """Causal attention in which query t sees the cache as it is when token t is decoded.
 
     q, k (after RoPE) and v as the model hands them to the cache; returns q's dtype.
     ``cache_dtype`` (default k's) is the dtype the cache stores k/v in before encoding.
+    A comparison method (``oscar_jax.methods``) quantizes through its own
+    ``fake_quant_kv``, in the original basis; ``key_offset`` is what it is handed.
     """
     b, t, hq, d = q.shape
     h = k.shape[2]
@@ -95,7 +99,15 @@ def cached_attention(
     tq = (t // kv.group_size) * kv.group_size if kv.quantized else 0
     k_deq = v_deq = None
     q_rot = qg
-    if tq:
+    if tq and isinstance(kv, oscar_methods.MethodConfig):
+        kd, vd = kv.fake_quant_kv(
+            jnp.swapaxes(k, 1, 2)[:, :, :tq],
+            jnp.swapaxes(v, 1, 2)[:, :, :tq],
+            None if key_offset is None else key_offset[:tq],
+        )
+        pad = ((0, 0), (0, t - tq), (0, 0), (0, 0))
+        k_deq, v_deq = (jnp.pad(jnp.swapaxes(x, 1, 2), pad) for x in (kd, vd))
+    elif tq:
         ek, ev = codec.encode(
             jnp.swapaxes(k, 1, 2)[:, :, :tq], jnp.swapaxes(v, 1, 2)[:, :, :tq], kv
         )
@@ -136,7 +148,12 @@ def forward_cached(
     x = layers.embed(params, ids, mc)
 
     def step(x, lp):
-        attend = lambda q, k, v: cached_attention(q, k, v, kv, cache_dtype=cache_dtype)  # noqa: E731
+        off = None
+        if getattr(kv, "needs_key_bias", False) and lp.get("bk") is not None and not mc.qk_norm:
+            cos, sin = layers.rope_cos_sin(mc, positions[0])
+            off = oscar_methods.rope_key_offset(lp["bk"], cos, sin, mc.num_kv_heads)
+        attend = lambda q, k, v: cached_attention(q, k, v, kv, cache_dtype=cache_dtype,  # noqa: E731
+                                                  key_offset=off)  # fmt: skip
         x, (k, _) = layers.block(mc, lp, x, positions, attend)
         norms = jnp.linalg.norm(k.astype(jnp.float32), axis=-1) if keep_norms else None
         return x, norms

@@ -1,0 +1,96 @@
+"""Comparison methods and the seed note's proposals, as fake-quant (XLA) configs.
+
+Each lives in its own module and is a ``base.MethodConfig`` (not a ``KVQuantConfig``:
+the real cache refuses it). ``parse_name`` maps the evaluation's method names to them::
+
+    oscarb{b}           OScaR on k - RoPE_t(b_k): the k bias's exact contribution taken
+                        out, zero bytes (proposal E, ``bias_offset``)
+    oscarm{b}           OScaR on k - per-group channel mean, mean stored (E, ``group_mean``)
+    kivi{b}_sink{S}     KIVI + the first S tokens in full precision (``sinks``)
+    ott{b}_n{N}         KIVI + the N smallest-L1 keys per group in full precision (``ott``)
+    turbo{b}            random-sign Hadamard + norm + Lloyd-Max codebook (``turbo``)
+    oscarc{b}           oscarb with 8-bit scales / zeros / norms (proposal A, ``compact``)
+
+each optionally followed by ``_r{R}`` / ``_g{G}`` (residual length, group size).
+``bytes_per_token(cfg, head_dim)`` accounts every stored part.
+"""
+
+from __future__ import annotations
+
+import re
+
+from oscar_jax.config import KVQuantConfig
+from oscar_jax.methods import base
+from oscar_jax.methods.base import MethodConfig, masked_group_fake_quant
+from oscar_jax.methods.bias_offset import OscarBias, rope_key_offset
+from oscar_jax.methods.compact import OscarCompact, shared_exponent_norms
+from oscar_jax.methods.group_mean import OscarGroupMean
+from oscar_jax.methods.ott import OTT
+from oscar_jax.methods.sinks import KiviSinks
+from oscar_jax.methods.turbo import TurboQuant, lloyd_max_gaussian
+
+FAMILIES = {
+    "oscarb": OscarBias,
+    "oscarm": OscarGroupMean,
+    "ott": OTT,
+    "turbo": TurboQuant,
+    "oscarc": OscarCompact,
+    "kivi": KiviSinks,  # only with a _sink suffix: plain kivi is the library's
+}
+_NAME = re.compile(r"^(oscarb|oscarm|ott|turbo|oscarc|kivi)(\d+)((?:_[a-z]+\d+)*)$")
+
+
+def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
+    """The comparison method of an evaluation name, or None when the name is not one of
+    them (then it is the library's own, e.g. ``kivi2``). ValueError for a bad suffix."""
+    if not isinstance(name, str):
+        raise ValueError(f"name={name!r} must be a string")
+    m = _NAME.match(name.strip())
+    if m is None:
+        return None
+    fam, bits, rest = m.group(1), int(m.group(2)), m.group(3)
+    sufs = dict((s[: len(s.rstrip("0123456789"))], int(s[len(s.rstrip("0123456789")) :]))
+                for s in filter(None, rest.split("_")))  # fmt: skip
+    if fam == "kivi" and "sink" not in sufs:
+        return None
+    kw: dict = {"bits": bits, "residual_length": sufs.pop("r", residual_length),
+                "group_size": sufs.pop("g", group_size)}  # fmt: skip
+    own = {"kivi": "sink", "ott": "n"}.get(fam)
+    if own is not None and own in sufs:
+        kw["sinks" if fam == "kivi" else "pool"] = sufs.pop(own)
+    if sufs:
+        raise ValueError(
+            f"method={name!r}: suffix(es) {sorted(sufs)} must be among r<R>, g<G>"
+            + {"kivi": ", sink<S>", "ott": ", n<N>"}.get(fam, "")
+            + f" for {fam}"
+        )
+    try:
+        return FAMILIES[fam](**kw)
+    except ValueError as e:
+        raise ValueError(f"method={name!r}: {e}") from e
+
+
+def bytes_per_token(
+    cfg, head_dim: int, context: int = 2048, num_kv_heads: int = 1
+) -> dict[str, float]:
+    """Bytes per token and KV head by component (``total`` included) of any method: a
+    comparison method's own accounting, or the library's KIVI / OScaR layout (a
+    ``per_token`` norm is shared by the ``num_kv_heads`` heads)."""
+    if isinstance(cfg, MethodConfig):
+        return cfg.bytes_per_token(head_dim, context)
+    if not isinstance(cfg, KVQuantConfig):
+        raise ValueError(f"cfg={cfg!r} must be a KVQuantConfig or a MethodConfig")
+    if not cfg.quantized:
+        return base.total({"k": 2.0 * head_dim, "v": 2.0 * head_dim})
+    parts = base.kivi_bytes(cfg.bits, head_dim, cfg.group_size, base.DTYPE_BYTES[cfg.param_dtype])
+    if cfg.token_scaling:
+        share = num_kv_heads if cfg.norm_granularity == "per_token" else 1
+        parts["k_norm"] = base.DTYPE_BYTES[cfg.norm_dtype] / share
+    return base.total(parts)
+
+
+__all__ = [
+    "OTT", "FAMILIES", "KiviSinks", "MethodConfig", "OscarBias", "OscarCompact",
+    "OscarGroupMean", "TurboQuant", "bytes_per_token", "lloyd_max_gaussian",
+    "masked_group_fake_quant", "parse_name", "rope_key_offset", "shared_exponent_norms",
+]  # fmt: skip

@@ -1,0 +1,98 @@
+"""TurboQuant-style vector quantization (Zandieh et al., arXiv 2504.19874), MSE variant.
+
+Keys and values alike, per token and KV head: rotate with a random-sign Hadamard
+(``randomized_hadamard``), store the l2 norm ``n``, and quantize every coordinate of
+``sqrt(D) x / n`` (approximately N(0, 1) after the rotation) with one fixed Lloyd-Max
+codebook of 2^b levels for the standard normal: no scale or zero at all. Dequantized:
+``n / sqrt(D) * R^T codebook[q]``.
+
+Not implemented: the QJL 1-bit residual (TurboQuant_prod, which makes inner products
+unbiased by spending one of the b bits on a sign sketch of the residual); this is the
+b-bit MSE quantizer, and the codebook is the Gaussian's, not the exact Beta law of a
+coordinate of a uniform point on the sphere (for D >= 64 the two differ by O(1/D)).
+
+Bytes per token and KV head: b D / 8 for K codes and for V codes, plus two norms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from oscar_jax import codec, hadamard, quant
+from oscar_jax.config import preset
+from oscar_jax.methods import base
+
+
+@functools.cache
+def lloyd_max_gaussian(bits: int, iters: int = 500) -> np.ndarray:
+    """The 2^bits reconstruction levels (ascending, float64, symmetric) of the Lloyd-Max
+    (MSE-optimal scalar) quantizer of the standard normal, by Lloyd's iteration."""
+    if isinstance(bits, bool) or bits not in (1, 2, 3, 4):
+        raise ValueError(f"{bits=} must be one of (1, 2, 3, 4)")
+    n = 1 << bits
+    pdf = lambda x: math.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda x: 0.5 * (1 + math.erf(x / math.sqrt(2)))  # noqa: E731
+    lv = np.linspace(-2.0, 2.0, n)
+    for _ in range(iters):
+        edges = [-math.inf, *((lv[:-1] + lv[1:]) / 2), math.inf]
+        new = []
+        for a, b in zip(edges[:-1], edges[1:], strict=True):
+            pa = 0.0 if a == -math.inf else pdf(a)
+            pb = 0.0 if b == math.inf else pdf(b)
+            new.append((pa - pb) / (cdf(b) - cdf(a)))
+        lv = np.asarray(new)
+    return lv
+
+
+def codebook_fake_quant(
+    x: Float[Array, "B H T D"], bits: int, seed: int, norm_dtype: str
+) -> Float[Array, "B H T D"]:
+    """One tensor through the TurboQuant-style quantizer and back (float32)."""
+    cfg = preset("rotation_only", rotation="randomized_hadamard", rotation_seed=seed)
+    d = x.shape[-1]
+    y = hadamard.rotate(x.astype(jnp.float32), cfg)
+    n, s = codec.token_norm_and_prescale(y, "per_head")
+    n = quant.round_to_dtype(n, norm_dtype)
+    r = quant.scaled_reciprocal(n, s)
+    u = (y * s[..., None]) * (r * math.sqrt(d))[..., None]  # ~N(0, 1); zero where n = 0
+    lv = jnp.asarray(lloyd_max_gaussian(bits), jnp.float32)
+    q = jnp.argmin(jnp.abs(u[..., None] - lv), axis=-1)
+    u_hat = lv[q]
+    return hadamard.unrotate(u_hat * (n / math.sqrt(d))[..., None], cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboQuant(base.MethodConfig):
+    """Random-sign Hadamard + per-token norm + Lloyd-Max codebook, for K and V."""
+
+    seed: int = 0
+
+    def __post_init__(self):
+        super().__post_init__()
+        base._int("seed", self.seed, 0)
+        if self.bits > 4:
+            raise ValueError(f"bits={self.bits} must be <= 4 for the Lloyd-Max codebook")
+
+    def fake_quant_kv(
+        self,
+        k: Float[Array, "B H T D"],
+        v: Float[Array, "B H T D"],
+        key_offset: Float[Array, "T H D"] | None = None,
+    ):
+        base.check_kv(k, v, 8, self.group_size)
+        kh = codebook_fake_quant(k, self.bits, self.seed, self.norm_dtype)
+        vh = codebook_fake_quant(v, self.bits, self.seed + 1, self.norm_dtype)
+        return kh, vh
+
+    def bytes_per_token(self, head_dim: int, context: int = 2048) -> dict[str, float]:
+        nb = base.DTYPE_BYTES[self.norm_dtype]
+        return base.total({
+            "k_codes": self.bits * head_dim / 8, "v_codes": self.bits * head_dim / 8,
+            "k_norm": nb, "v_norm": nb,
+        })  # fmt: skip
