@@ -32,6 +32,7 @@ import models
 import oscar_eval
 from models import fetch
 from oscar_cli.demo import default_out, run_demo
+from oscar_eval.chat import CHAT_MODES
 from oscar_eval.common import DEFAULT_METHODS, parse_methods
 from oscar_eval.settings import MAX_DEFAULT_CTX, NIAH_LENGTHS, PPL_SCORES, TASKS
 from oscar_jax.__main__ import main as study
@@ -102,7 +103,7 @@ def _settings(args, max_pos: int):
     s = oscar_eval.Settings(
         methods=args.methods, tasks=args.tasks, ctx=args.ctx, ppl_windows=args.ppl_windows,
         ppl_batch=args.ppl_batch, ppl_score=args.ppl_score, niah_lengths=args.niah_lengths,
-        niah_depths=args.niah_depths,
+        niah_depths=args.niah_depths, niah_chat=args.niah_chat,
         niah_trials=args.niah_trials, niah_batch=args.niah_batch, niah_seed=args.niah_seed,
         tni_windows=args.tni_windows, ablation_base=args.ablation_base,
         residual_length=args.residual, group_size=args.group, cache_dtype=args.cache_dtype,
@@ -257,6 +258,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--niah-group", default="auto", choices=("auto", "length", "all"),
                    help="batch NIAH prompts per length, or all lengths in one program "
                         "(default: all off-CPU, where compiling dominates)")  # fmt: skip
+    e.add_argument("--niah-chat", default="auto", choices=CHAT_MODES,
+                   help="needle prompts as a chat turn with the model's chat template (GGUF "
+                        "tokenizer.chat_template or tokenizer_config.json): auto (when the "
+                        "model has one, i.e. an instruct model), on, off (plain text after "
+                        "BOS; default: %(default)s)")  # fmt: skip
     e.add_argument("--niah-seed", type=int, default=918_273,
                    help="seed of the passkeys and filler (default: %(default)s)")  # fmt: skip
     e.add_argument("--tni-windows", type=int, default=4,

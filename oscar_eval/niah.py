@@ -12,13 +12,19 @@ length (or of all lengths: ``groups``) batched over depths and trials.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import models
-from models import bucket_length, generate
+import oscar_jax as oj
+from models import bucket_length, generate, layers
+from models.config import ModelConfig
 from models.model import CausalLM
+from oscar_eval import ppl as eval_ppl
 from oscar_eval.common import Method, Progress, wilson
 from oscar_eval.passkey import passkey_prompt, score_passkey
 
@@ -27,8 +33,12 @@ LENGTHS = (512, 1024, 2048, 4096)
 DEPTHS = tuple(range(0, 101, 10))  # percent
 
 
-def build_prompts(encode, lengths, depths, trials: int, seed: int = NIAH_SEED) -> list[dict]:
-    """One dict per (length, depth %, trial): ids, answer, length, depth."""
+def build_prompts(
+    encode, lengths, depths, trials: int, seed: int = NIAH_SEED, answer_encode=None
+) -> list[dict]:
+    """One dict per (length, depth %, trial): ids, answer, length, depth, trial, and with
+    ``answer_encode`` (text -> ids without BOS) the answer's ids ``answer_ids`` (" 12345",
+    what follows the prompt's "The pass key is")."""
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"{trials=} must be a positive int")
     out = []
@@ -39,7 +49,10 @@ def build_prompts(encode, lengths, depths, trials: int, seed: int = NIAH_SEED) -
             for i in range(trials):
                 rng = np.random.default_rng((seed, int(n), int(d), i))
                 ids, ans = passkey_prompt(encode, int(n), d / 100.0, rng)
-                out.append(dict(ids=ids, answer=ans, length=int(n), depth=int(d), trial=i))
+                p = dict(ids=ids, answer=ans, length=int(n), depth=int(d), trial=i)
+                if answer_encode is not None:
+                    p["answer_ids"] = list(answer_encode(" " + ans))
+                out.append(p)
     return out
 
 
@@ -97,19 +110,95 @@ def _run_group(m, prompts, kv, batch, max_new, decode, stop_tokens, cache_dtype)
     return hits
 
 
+LL_PAD = 256  # answer log-likelihood: rows padded to a multiple (eval_ppl.CHUNK: chunked scores)
+
+
+def _prefill_decode_hidden(mc: ModelConfig, params, ids, plen, kv, cache_dtype):
+    """Hidden states [B, T, Hd] (pre final norm) as ``generate`` computes them: positions
+    < plen [B] attend at full precision (the prefill), later ones to the cache as when
+    decoded (``eval_ppl.cached_attention``)."""
+    b, t = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    decoded = (positions >= plen[:, None])[:, :, None, None]  # [B, T, 1, 1]
+    plain = oj.preset("bf16")
+
+    def attend(q, k, v):
+        o_c = eval_ppl.cached_attention(q, k, v, kv, cache_dtype=cache_dtype)
+        o_p = eval_ppl.cached_attention(q, k, v, plain)  # prefill: K/V in the model dtype
+        return jnp.where(decoded, o_c, o_p)
+
+    def step(x, lp):
+        x, _ = layers.block(mc, lp, x, positions, attend)
+        return x, None
+
+    x, _ = jax.lax.scan(step, layers.embed(params, ids), params["layers"])
+    return x
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _answer_lp_jit(mc: ModelConfig, kv, cache_dtype, params, ids, plen, pos, tgt):
+    x = _prefill_decode_hidden(mc, params, ids, plen, kv, cache_dtype)
+    xs = jnp.take_along_axis(x, pos[..., None], axis=1)  # [B, A, Hd]
+    lp = jax.nn.log_softmax(layers.lm_head(mc, params, xs), axis=-1)  # [B, A, V]
+    return jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0]  # [B, A]
+
+
+def answer_logprob(
+    m: CausalLM, prompts: list[dict], kv: oj.KVQuantConfig, *, batch: int | None = None,
+    cache_dtype=None,
+) -> list[float]:  # fmt: skip
+    """Log-likelihood (nats, summed over tokens) of each prompt's ``answer_ids`` after its
+    ``ids``: the prompt prefilled at full precision, the answer teacher-forced through the
+    cache of ``kv`` (``cache_dtype``: what the cache stores K/V in; default the model's)."""
+    if not prompts or any("answer_ids" not in p or not p["answer_ids"] for p in prompts):
+        raise ValueError("prompts must be non-empty, each with non-empty answer_ids")
+    batch = len(prompts) if batch is None else batch
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"{batch=} must be a positive int or None (all prompts at once)")
+    n_ans = max(len(p["answer_ids"]) for p in prompts)
+    longest = max(len(p["ids"]) + len(p["answer_ids"]) for p in prompts)
+    t = -(-longest // LL_PAD) * LL_PAD
+    params, ckv = m.folded_params(kv), eval_ppl.cache_kv_config(kv)
+    dt = jnp.dtype(cache_dtype or m.dtype).name
+    out: list[float] = []
+    for i in range(0, len(prompts), batch):
+        part = prompts[i : i + batch]
+        part = part + [part[-1]] * (batch - len(part))  # one shape for every batch
+        ids = np.zeros((batch, t), np.int32)
+        plen = np.zeros(batch, np.int32)
+        pos = np.zeros((batch, n_ans), np.int32)
+        tgt = np.zeros((batch, n_ans), np.int32)
+        mask = np.zeros((batch, n_ans), bool)
+        for r, p in enumerate(part):
+            n, a = len(p["ids"]), len(p["answer_ids"])
+            ids[r, :n], ids[r, n : n + a] = p["ids"], p["answer_ids"]
+            plen[r] = n
+            pos[r, :a] = np.arange(n - 1, n + a - 1)  # the logits at pos predict tgt
+            tgt[r, :a], mask[r, :a] = p["answer_ids"], True
+        arrays = [jnp.asarray(a) for a in (ids, plen, pos, tgt)]
+        lp = np.asarray(_answer_lp_jit(m.config, ckv, dt, params, *arrays))
+        out += [float(np.where(mask[r], lp[r], 0.0).sum()) for r in range(len(part))]
+    return out[: len(prompts)]
+
+
 def niah_method(
     m: CausalLM, mt: Method, prompts: list[dict], decode: Callable, *, batch: int | None = None,
     max_new_tokens: int = 8, stop_tokens=None, cache_dtype=None, group: str = "length",
-    progress: Progress | None = None,
+    progress: Progress | None = None, ll_batch: int | None = None,
 ) -> list[dict]:  # fmt: skip
-    """The prompts of one method, each with ``hit`` (exact match), in the prompts' order."""
+    """The prompts of one method, each with ``hit`` (exact match), in the prompts' order,
+    and ``answer_ll`` (``answer_logprob``, batches of ``ll_batch``) when they carry
+    ``answer_ids``."""
     if not prompts:
         raise ValueError("prompts must not be empty")
     res = {}
     for g in groups(prompts, group):
         hits = _run_group(m, g, mt.kv, batch, max_new_tokens, decode, stop_tokens, cache_dtype)
-        for p, h in zip(g, hits, strict=True):
-            res[id(p)] = dict(p, hit=h)
+        lls = [None] * len(g)
+        if all("answer_ids" in p for p in g):
+            lls = answer_logprob(m, g, mt.kv, batch=ll_batch, cache_dtype=cache_dtype)
+        for p, h, ll in zip(g, hits, lls, strict=True):
+            res[id(p)] = dict(p, hit=h) if ll is None else dict(p, hit=h, answer_ll=ll)
         if progress is not None:
             progress.update(len(g))
     return [res[id(p)] for p in prompts]
@@ -122,9 +211,14 @@ def summarize(mt: Method, res: list[dict]) -> tuple[dict, list[dict]]:
     rate, lo, hi = wilson(k, len(res))
     row = {"method": mt.name, "bits": mt.kv.bits, "rate": rate, "rate_lo": lo,
            "rate_hi": hi, "prompts": len(res)}  # fmt: skip
+    has_ll = all("answer_ll" in r for r in res)
+    if has_ll:
+        row["answer_ll"] = float(np.mean([r["answer_ll"] for r in res]))
     for n in lengths:
         hs = [r["hit"] for r in res if r["length"] == n]
         row[f"rate@{n}"] = sum(hs) / len(hs)
+        if has_ll:
+            row[f"ll@{n}"] = float(np.mean([r["answer_ll"] for r in res if r["length"] == n]))
     cells = []
     for n in lengths:
         for d in sorted({r["depth"] for r in res}):
@@ -132,7 +226,22 @@ def summarize(mt: Method, res: list[dict]) -> tuple[dict, list[dict]]:
             if hs:
                 cells.append({"method": mt.name, "length": n, "depth": d,
                               "rate": sum(hs) / len(hs), "prompts": len(hs)})  # fmt: skip
+                if has_ll:
+                    ll = [r["answer_ll"] for r in res if r["length"] == n and r["depth"] == d]
+                    cells[-1]["answer_ll"] = float(np.mean(ll))
     return row, cells
+
+
+def paired_ll_delta(ll: list[float], ref: list[float], n_boot: int = 2000, seed: int = 0):
+    """Mean of ll - ref over prompts (the same prompts) and its 95% bootstrap interval."""
+    d = np.asarray(ll, np.float64) - np.asarray(ref, np.float64)
+    if d.ndim != 1 or len(d) == 0:
+        raise ValueError(f"ll and ref must be equal-length non-empty lists, got {d.shape}")
+    if len(d) == 1:
+        return float(d[0]), float("nan"), float("nan")
+    idx = np.random.default_rng(seed).integers(0, len(d), (n_boot, len(d)))
+    lo, hi = np.percentile(d[idx].mean(1), [2.5, 97.5])
+    return float(d.mean()), float(lo), float(hi)
 
 
 def niah(

@@ -88,12 +88,26 @@ def markdown(res: dict) -> str:
     if "niah" in res:
         nz = res["niah"]
         lens = sorted(int(x) for x in nz["prompt_tokens"])
-        rows = [dict(r, ci=ci(r["rate_lo"], r["rate_hi"], spec=".3f")) for r in nz["summary"]]
-        out += ["## Needle in a haystack (passkey exact match, greedy through the cache)", "",
+        rows = [dict(r, ci=ci(r["rate_lo"], r["rate_hi"], spec=".3f"),
+                     llci=ci(r.get("ll_delta_lo"), r.get("ll_delta_hi"), spec=".3f"))
+                for r in nz["summary"]]  # fmt: skip
+        form = "chat template" if nz.get("grid", {}).get("chat") else "plain text after BOS"
+        out += [f"## Needle in a haystack (passkey exact match, greedy through the cache; "
+                f"prompts: {form})", "",
                 md_table(rows, ["method", "rate", "ci", *[f"rate@{n}" for n in lens], "prompts"],
                          ["method", "rate", "95% CI (Wilson)", *[f"@{n}" for n in lens],
                           "prompts"], {"rate": ".3f", **{f"rate@{n}": ".3f" for n in lens}}),
                 ""]  # fmt: skip
+        if all("answer_ll" in r for r in rows):
+            out += ["Log-likelihood of the answer tokens (\" 12345\", nats summed over them; the "
+                    "prompt prefilled at full precision, the answer teacher-forced through the "
+                    "cache), mean over prompts:", "",
+                    md_table(rows, ["method", "answer_ll", "ll_delta", "llci",
+                                    *[f"ll@{n}" for n in lens]],
+                             ["method", "answer log-lik", "minus bf16 (paired)",
+                              "95% CI (bootstrap)", *[f"@{n}" for n in lens]],
+                             {"answer_ll": ".3f", "ll_delta": ".3f",
+                              **{f"ll@{n}": ".3f" for n in lens}}), ""]  # fmt: skip
     if "tni" in res:
         t = res["tni"]
         sm = t["summary"]

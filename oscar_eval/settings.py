@@ -35,6 +35,7 @@ class Settings:
     niah_group: str = "auto"  # "length" / "all" (see eval_niah.groups); auto: all off-CPU
     niah_seed: int = 918_273
     niah_new_tokens: int = 8
+    niah_chat: str = "auto"  # prompts as a chat turn: "auto" (if the model has a template), on, off
     tni_windows: int = 4
     ablation_base: str = "oscar2"
     residual_length: int = 128

@@ -17,10 +17,10 @@ from collections.abc import Callable
 import numpy as np
 
 from models.model import CausalLM
+from oscar_eval import chat, sinks
 from oscar_eval import niah as eval_niah
 from oscar_eval import ppl as eval_ppl
 from oscar_eval import programs as ep
-from oscar_eval import sinks
 from oscar_eval import tni as eval_tni
 from oscar_eval.common import Progress, ablation_methods, make_encode, parse_method, parse_methods
 from oscar_eval.report import markdown
@@ -124,7 +124,7 @@ def precompile(c: Ctx, tasks) -> None:
         for mt in c.ppl_todo(c.methods):
             sub(*nll(mt))
     if "niah" in tasks:
-        c.prompts = _niah_prompts(m, s)
+        c.prompts = _niah_prompts(m, s, c.model_dir)
         gs = eval_niah.groups(c.prompts, c.niah_group)
         for mt in c.methods:
             for i, g in enumerate(gs):
@@ -197,24 +197,33 @@ def task_ppl(c: Ctx) -> None:
         c.res["ppl"] = rows
 
 
-def _niah_prompts(m: CausalLM, s: Settings) -> list[dict]:
+def _niah_prompts(m: CausalLM, s: Settings, model_dir: str) -> list[dict]:
+    """The needle prompts: plain text after one BOS, or a chat turn (``oscar_eval.chat``)."""
     if m.tokenizer is None:
         raise ValueError("task niah needs the model's tokenizer (tokenizer.json in --model)")
-    enc = make_encode(m.tokenizer, m.config.bos_token_id)
+    template = chat.chat_template(model_dir)
+    if chat.use_chat(s.niah_chat, template):
+        enc = chat.make_chat_encode(m.tokenizer, template)
+    else:
+        enc = make_encode(m.tokenizer, m.config.bos_token_id)
+    ans = lambda text: m.tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
     return eval_niah.build_prompts(enc, s.niah_lengths, s.niah_depths, s.niah_trials,
-                                   s.niah_seed)  # fmt: skip
+                                   s.niah_seed, answer_encode=ans)  # fmt: skip
 
 
 def task_niah(c: Ctx) -> None:
     s, m = c.s, c.m
-    prompts = c.prompts or _niah_prompts(m, s)
+    prompts = c.prompts or _niah_prompts(m, s, c.model_dir)
     dec = decoder(m.tokenizer, set(m.config.eos_token_ids))
+    chat_on = chat.use_chat(s.niah_chat, chat.chat_template(c.model_dir))
     grid = {"lengths": list(s.niah_lengths), "depths": list(s.niah_depths),
             "trials": s.niah_trials, "seed": s.niah_seed, "new_tokens": s.niah_new_tokens,
-            "cache_dtype": s.cache_dtype, "R": s.residual_length, "G": s.group_size}  # fmt: skip
+            "cache_dtype": s.cache_dtype, "R": s.residual_length, "G": s.group_size,
+            "chat": chat_on}  # fmt: skip
     old = c.res.get("niah")
-    old = old if old and old.get("grid") == grid else {"summary": [], "cells": []}
+    old = old if old and old.get("grid") == grid else {"summary": [], "cells": [], "ll": {}}
     nz = {"summary": list(old["summary"]), "cells": list(old["cells"]), "plot": None,
+          "ll": dict(old.get("ll", {})), "first_tokens": [int(i) for i in prompts[0]["ids"][:4]],
           "grid": grid, "prompt_tokens": {str(n): int(np.mean([len(p["ids"]) for p in prompts
                                                                if p["length"] == n]))
                                           for n in s.niah_lengths}}  # fmt: skip
@@ -226,7 +235,9 @@ def task_niah(c: Ctx) -> None:
                                      max_new_tokens=s.niah_new_tokens, cache_dtype=s.cache_dtype,
                                      group=c.niah_group, progress=bar)  # fmt: skip
         row, cells = eval_niah.summarize(mt, hits)
+        nz["ll"][mt.name] = [h["answer_ll"] for h in hits]  # per prompt, for paired deltas
         nz["summary"] = merge_rows(nz["summary"], [row])
+        _ll_deltas(nz)
         nz["cells"] = merge_rows([x for x in nz["cells"] if x["method"] != mt.name], cells)
         c.res["niah"] = nz
 
@@ -238,6 +249,17 @@ def task_niah(c: Ctx) -> None:
         if nz["plot"] is None:
             c.res["notes"].append(eval_tni.NO_MPL + " (niah.png)")
         c.res["niah"] = nz
+
+
+def _ll_deltas(nz: dict) -> None:
+    """Each summary row's answer log-likelihood minus bf16's on the same prompts (paired)."""
+    ref = nz["ll"].get("bf16")
+    for row in nz["summary"]:
+        ll = nz["ll"].get(row["method"])
+        if ref is None or ll is None or row["method"] == "bf16" or len(ll) != len(ref):
+            continue
+        d, lo, hi = eval_niah.paired_ll_delta(ll, ref)
+        row["ll_delta"], row["ll_delta_lo"], row["ll_delta_hi"] = d, lo, hi
 
 
 def task_ablations(c: Ctx) -> None:

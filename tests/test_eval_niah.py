@@ -1,0 +1,135 @@
+"""Needle prompts through a chat template, and the log-likelihood of the needle's answer."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tokenizers", reason="the tiny checkpoint's tokenizer is built with tokenizers")
+pytest.importorskip("safetensors")
+
+from tiny_hf import make_tiny_hf_dir  # noqa: E402
+
+import models  # noqa: E402
+import oscar_eval as ev  # noqa: E402
+from oscar_eval import chat  # noqa: E402
+from oscar_eval import niah as eval_niah  # noqa: E402
+from oscar_eval.common import parse_method  # noqa: E402
+from oscar_eval.passkey import QUESTION  # noqa: E402
+
+# ChatML, as SmolLM2's and Qwen2.5's GGUF files carry it (system turn shortened)
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou help.<|im_end|>\\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    d = make_tiny_hf_dir(tmp_path_factory.mktemp("tiny_chat"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": CHATML}, f)
+    return d
+
+
+def test_render_and_chat_encode():
+    text = "<|im_start|>system\nYou help.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    assert chat.render(CHATML, "hi") == text + "<|im_start|>assistant\n"
+
+    class Tok:  # records what it is asked to encode
+        def encode(self, s, add_special_tokens=True):
+            assert add_special_tokens is False
+            return type("E", (), {"ids": [ord(c) for c in s]})()
+
+    enc = chat.make_chat_encode(Tok(), CHATML)
+    got = "".join(map(chr, enc("The key is 1." + QUESTION)))
+    assert got.endswith("user\nThe key is 1. What is the pass key?<|im_end|>\n"
+                        "<|im_start|>assistant\nThe pass key is")  # fmt: skip
+    assert "".join(map(chr, enc(" hi"))).endswith("user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    with pytest.raises(ValueError, match="chat template"):
+        chat.render("{% for %}", "hi")
+
+
+def test_use_chat_modes(chat_dir, tmp_path):
+    assert chat.chat_template(chat_dir) == CHATML
+    assert chat.chat_template(str(tmp_path)) is None and chat.chat_template("") is None
+    assert chat.use_chat("auto", CHATML) and not chat.use_chat("auto", None)
+    assert chat.use_chat("on", CHATML) and not chat.use_chat("off", CHATML)
+    with pytest.raises(ValueError, match="needs a chat template"):
+        chat.use_chat("on", None)
+    with pytest.raises(ValueError, match="niah_chat"):
+        chat.use_chat("yes", CHATML)
+
+
+def _teacher_forced(m, prompt, answer, kv):
+    """Log-likelihood of ``answer`` after ``prompt`` through models.prefill + decode_step."""
+    ids = np.asarray([prompt], np.int32)
+    logits, caches, p = models.prefill(m, ids, kv, max_new_tokens=len(answer) + 1,
+                                       max_len=len(prompt) + len(answer) + 16)  # fmt: skip
+    total = 0.0
+    for i, tok in enumerate(answer):
+        lp = np.asarray(logits[0], np.float64)
+        lp = lp - lp.max() - np.log(np.exp(lp - lp.max()).sum())
+        total += lp[tok]
+        logits, caches = models.decode_step(p, caches, np.asarray([tok]),
+                                            np.asarray([len(prompt) + i], np.int32))  # fmt: skip
+    return total
+
+
+def test_answer_logprob_equals_prefill_then_decoding(chat_dir):
+    """The answer log-likelihood is what generate's path gives: prefill at full precision,
+    then every answer token decoded through the quantized cache."""
+    m = models.from_pretrained(chat_dir)
+    rng = np.random.default_rng(0)
+    prompts = [{"ids": rng.integers(2, 300, n).tolist(), "answer_ids": rng.integers(2, 300, a)
+                .tolist()} for n, a in ((150, 6), (131, 4), (97, 6))]  # fmt: skip
+    for name in ("kivi2_r16_g16", "oscar2_pertoken_r16_g16", "bf16"):
+        kv = parse_method(name).kv
+        got = eval_niah.answer_logprob(m, prompts, kv, batch=2)
+        want = [_teacher_forced(m, p["ids"], p["answer_ids"], kv) for p in prompts]
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-3, err_msg=name)
+    # the cache matters here, so the agreement is not vacuous
+    plain = eval_niah.answer_logprob(m, prompts, parse_method("bf16").kv)
+    quant = eval_niah.answer_logprob(m, prompts, parse_method("kivi2_r16_g16").kv)
+    assert max(abs(a - b) for a, b in zip(plain, quant, strict=True)) > 0.05
+    with pytest.raises(ValueError, match="answer_ids"):
+        eval_niah.answer_logprob(m, [{"ids": [1, 2]}], parse_method("bf16").kv)
+
+
+def test_paired_ll_delta():
+    d, lo, hi = eval_niah.paired_ll_delta([1.0, 2.0, 3.0, 5.0], [1.0, 1.0, 1.0, 1.0])
+    assert d == pytest.approx(1.75) and lo < d < hi
+    assert np.isnan(eval_niah.paired_ll_delta([1.0], [0.5])[1])
+    with pytest.raises(ValueError, match="equal-length"):
+        eval_niah.paired_ll_delta([], [])
+
+
+def test_eval_niah_with_the_chat_template(chat_dir, tmp_path):
+    m = models.from_pretrained(chat_dir)
+    s = ev.Settings(methods="bf16,kivi2_r16_g16", tasks="niah", niah_lengths=(256,),
+                    niah_depths=(0, 100), niah_trials=2, show_progress=False,
+                    compile_workers=0)  # fmt: skip
+    res = ev.run_eval(m, None, str(tmp_path), s, model_dir=chat_dir)
+    nz = res["niah"]
+    assert nz["grid"]["chat"] is True
+    start = m.tokenizer.encode("<|im_start|>system", add_special_tokens=False).ids
+    assert nz["first_tokens"][: len(start)] == start[:4]  # the template first, no BOS
+    by = {r["method"]: r for r in nz["summary"]}
+    assert set(by) == {"bf16", "kivi2_r16_g16"} and len(nz["ll"]["bf16"]) == 4
+    assert np.isfinite(by["bf16"]["answer_ll"]) and by["bf16"]["answer_ll"] < 0
+    r = by["kivi2_r16_g16"]
+    want = np.mean(np.subtract(nz["ll"]["kivi2_r16_g16"], nz["ll"]["bf16"]))
+    assert r["ll_delta"] == pytest.approx(want) and r["ll_delta_lo"] <= want <= r["ll_delta_hi"]
+    assert all("answer_ll" in c for c in nz["cells"])
+    with open(tmp_path / "results.md") as f:
+        md = f.read()
+    assert "prompts: chat template" in md and "answer log-lik" in md
+    s.niah_chat = "off"  # another grid: the chat rows are not reused
+    res2 = ev.run_eval(m, None, str(tmp_path), s, model_dir=chat_dir)
+    assert res2["niah"]["grid"]["chat"] is False
+    assert res2["niah"]["first_tokens"][0] == m.config.bos_token_id
