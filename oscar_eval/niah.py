@@ -122,13 +122,14 @@ def _prefill_decode_hidden(mc: ModelConfig, params, ids, plen, kv, cache_dtype):
     decoded = (positions >= plen[:, None])[:, :, None, None]  # [B, T, 1, 1]
     plain = oj.preset("bf16")
 
-    def attend(q, k, v):
-        o_c = eval_ppl.cached_attention(q, k, v, kv, cache_dtype=cache_dtype)
+    def attend(q, k, v, off=None):
+        o_c = eval_ppl.cached_attention(q, k, v, kv, cache_dtype=cache_dtype, key_offset=off)
         o_p = eval_ppl.cached_attention(q, k, v, plain)  # prefill: K/V in the model dtype
         return jnp.where(decoded, o_c, o_p)
 
     def step(x, lp):
-        x, _ = layers.block(mc, lp, x, positions, attend)
+        off = eval_ppl.key_offset(mc, kv, lp, positions)
+        x, _ = layers.block(mc, lp, x, positions, lambda q, k, v: attend(q, k, v, off))
         return x, None
 
     x, _ = jax.lax.scan(step, layers.embed(params, ids), params["layers"])

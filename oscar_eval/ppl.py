@@ -133,6 +133,16 @@ def cached_attention(
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def key_offset(mc: ModelConfig, kv, lp, positions) -> Array | None:
+    """[T, Hkv, D]: the RoPE'd k bias a comparison method takes out of the keys
+    (``oscar_jax.methods.bias_offset``; positions [B, T], the same in every row), or None
+    when the method wants none, the layer has no k bias, or a qk-norm follows the bias."""
+    if not getattr(kv, "needs_key_bias", False) or lp.get("bk") is None or mc.qk_norm:
+        return None
+    cos, sin = layers.rope_cos_sin(mc, positions[0])
+    return oscar_methods.rope_key_offset(lp["bk"], cos, sin, mc.num_kv_heads)
+
+
 def forward_cached(
     mc: ModelConfig, params, ids, kv: oj.KVQuantConfig, keep_norms: bool = False, cache_dtype=None
 ):
@@ -148,10 +158,7 @@ def forward_cached(
     x = layers.embed(params, ids, mc)
 
     def step(x, lp):
-        off = None
-        if getattr(kv, "needs_key_bias", False) and lp.get("bk") is not None and not mc.qk_norm:
-            cos, sin = layers.rope_cos_sin(mc, positions[0])
-            off = oscar_methods.rope_key_offset(lp["bk"], cos, sin, mc.num_kv_heads)
+        off = key_offset(mc, kv, lp, positions)
         attend = lambda q, k, v: cached_attention(q, k, v, kv, cache_dtype=cache_dtype,  # noqa: E731
                                                   key_offset=off)  # fmt: skip
         x, (k, _) = layers.block(mc, lp, x, positions, attend)
