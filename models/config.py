@@ -293,7 +293,8 @@ def from_hf_config(d: dict[str, Any]) -> ModelConfig:
         )  # fmt: skip
     if moe:
         extra = dict(
-            num_experts=int(d["num_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
+            num_experts=int(d.get("num_experts") or d["num_local_experts"]),
+            num_experts_per_tok=int(d["num_experts_per_tok"]),
             moe_intermediate_size=int(d["moe_intermediate_size"]),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
         )  # fmt: skip
