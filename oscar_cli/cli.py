@@ -160,7 +160,8 @@ def cmd_plot(args) -> int:
 
 
 def _plots(res) -> list[str]:
-    return [p for p in (res.get("tni", {}).get("plot"), res.get("niah", {}).get("plot")) if p]
+    t = res.get("tni", {})
+    return [p for p in (t.get("plot"), t.get("sink_plot"), res.get("niah", {}).get("plot")) if p]
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ results.json (``oscar-jax plot``, for a run made where matplotlib was missing)."
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -13,8 +14,8 @@ from oscar_eval.common import ci, md_table
 
 
 def replot(results_json: str, out_dir: str | None = None) -> list[str]:
-    """Write key_norms.png and niah.png from a results.json (e.g. of a run on a machine
-    without matplotlib); returns the paths written."""
+    """Write key_norms.png, tni.png and niah.png from a results.json (e.g. of a run on a
+    machine without matplotlib); returns the paths written."""
     with open(results_json) as f:
         res = json.load(f)
     out_dir = out_dir or os.path.dirname(os.path.abspath(results_json))
@@ -34,6 +35,9 @@ def replot(results_json: str, out_dir: str | None = None) -> list[str]:
                 title,
             )
         )
+        if "group_error" in res["tni"]:
+            done.append(eval_tni.plot_tni(res["tni"]["attn_on_sink"], res["tni"]["group_error"],
+                                          os.path.join(out_dir, "tni.png"), title))  # fmt: skip
     if "niah" in res:
         done.append(eval_tni.plot_niah(res["niah"]["cells"], os.path.join(out_dir, "niah.png")))
     return [p for p in done if p]
@@ -119,7 +123,7 @@ def markdown(res: dict) -> str:
             f"min {sm['median_over_sink_min']:.1f}, max {sm['median_over_sink_max']:.1f}; "
             f"{sm['layers_heads_ratio_ge_10']} pairs >= 10; query heads putting >= 0.5 of "
             f"their attention on position 0: {sm.get('sink_heads')}/{sm.get('query_heads')}. "
-            f"Plot: {t['plot'] or 'none'}",
+            f"Plots: {t['plot'] or 'none'}, {t.get('sink_plot') or 'none'}",
             "",
             md_table(
                 _tni_layers(t),
@@ -148,6 +152,16 @@ def markdown(res: dict) -> str:
                 md_table(rows, ["method", *[f"L{li}" for li in layers], "sink", "other"],
                          ["method", *[f"MSE L{li}" for li in layers], "sink rel. err",
                           "other rel. err"]), ""]  # fmt: skip
+        ge = t.get("group_error")
+        if ge:
+            rows = [{"method": mt, "g0": e[0], "g1": e[1] if len(e) > 1 else math.nan,
+                     "rest": float(np.median(e[1:])) if len(e) > 1 else math.nan}
+                    for mt, e in ge.items()]  # fmt: skip
+            out += ["Relative key error per group of G tokens (mean over layers; group 0 "
+                    "holds the sink; all groups in results.json and tni.png):", "",
+                    md_table(rows, ["method", "g0", "g1", "rest"],
+                             ["method", "group 0 (sink)", "group 1", "median of groups >= 1"],
+                             {"g0": ".3f", "g1": ".3f", "rest": ".3f"}), ""]  # fmt: skip
     if "ablations" in res:
         rows = [_ppl_cis(r) for r in res["ablations"]]
         st = res["settings"]

@@ -2,7 +2,7 @@
 
 ``run_eval`` loads nothing itself: it takes a model (``models.from_pretrained``), its
 tokenizer, the held-out tokens and ``Settings``, runs the tasks asked for and
-writes ``results.json``, ``results.md`` and the plots (``key_norms.png``,
+writes ``results.json``, ``results.md`` and the plots (``key_norms.png``, ``tni.png``,
 ``niah.png``; skipped with a note when matplotlib is missing, their data stay in
 results.json for ``oscar-jax plot``) into the output directory, after every unit
 of work. Each task's numbers are in ``oscar_eval.ppl``, ``oscar_eval.niah``

@@ -162,6 +162,13 @@ def task_tni(c: Ctx) -> None:
             "norm_profile": np.round(norms.mean(0)[:, : eval_tni.PROFILE_POS], 5).tolist(),
             "key_error": eval_tni.key_mse(c.keys(), int2, s.show_progress, s.cache_dtype),
         }  # fmt: skip
+        t = c.res["tni"]
+        t["group_error"] = eval_tni.group_errors(t["key_error"])
+        name = os.path.basename(c.model_dir.rstrip("/"))
+        png = os.path.join(c.out_dir, "tni.png")
+        t["sink_plot"] = eval_tni.plot_tni(sm["attn_first"], t["group_error"], png, title=name)
+        if t["sink_plot"] is None:
+            c.res["notes"].append(eval_tni.NO_MPL + " (tni.png)")
 
     c.unit("tni", "key norms, sinks, INT2 key error",
            ["keys"] + [("key_err", mt.kv) for mt in int2], run)  # fmt: skip

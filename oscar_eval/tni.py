@@ -8,8 +8,11 @@
 * ``key_mse``: per method and layer, the key reconstruction MSE of the quantizer alone
   (``oscar_jax.fake_quant_keys``: every token quantized, no residual), the mean
   relative error, and the sink's and the other tokens' relative errors.
-* ``plot_key_norms`` / ``plot_niah``: PNGs with matplotlib, imported only there; without
-  it they return None and say so (the GPU machine has no matplotlib).
+* ``group_errors``: per method, the relative key error of each group of G tokens (mean
+  over layers; group 0 holds the sink), from ``key_mse``'s rows.
+* ``plot_key_norms`` / ``plot_tni`` (attention mass on position 0 per layer and query
+  head, and the per-group key error) / ``plot_niah``: PNGs with matplotlib, imported
+  only there; without it they return None and say so (the GPU machine has no matplotlib).
 """
 
 from __future__ import annotations
@@ -100,14 +103,15 @@ def tni_summary(norms: np.ndarray, sink: int = 0) -> tuple[list[dict], dict]:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _key_err_jit(kv: oj.KVQuantConfig, k):
-    """k [L, B, T, H, D] -> per layer (mse, rel err, sink rel err, other rel err)."""
+    """k [L, B, T, H, D] -> per layer (mse, rel err, sink rel err, other rel err, rel err
+    per position [T] (mean over windows and KV heads))."""
 
     def one(kl):
         kh = oj.fake_quant_keys(kl, kv).astype(jnp.float32)
         kl = kl.astype(jnp.float32)
         rel = dg.relative_token_error(kl, kh)  # [B, T, H]
         return (jnp.mean(jnp.square(kh - kl)), jnp.mean(rel), jnp.mean(rel[:, 0]),
-                jnp.mean(rel[:, 1:]))  # fmt: skip
+                jnp.mean(rel[:, 1:]), jnp.mean(rel, axis=(0, 2)))  # fmt: skip
 
     return jax.lax.map(one, k)
 
@@ -125,14 +129,59 @@ def key_mse(
     bar = Progress(len(qm), "tni key error        ", enabled=show_progress)
     rows = []
     for mt in qm:
-        mse, rel, srel, orel = (np.asarray(x) for x in _key_err_jit(mt.kv, k))
+        mse, rel, srel, orel, pos = (np.asarray(x) for x in _key_err_jit(mt.kv, k))
+        g = mt.kv.group_size
+        ng = min(pos.shape[1] // g, MAX_GROUPS)
+        grp = pos[:, : ng * g].reshape(len(pos), ng, g).mean(-1)  # [L, groups]
         for li in range(k.shape[0]):
             rows.append({"method": mt.name, "bits": mt.kv.bits, "layer": li,
                          "key_mse": float(mse[li]), "key_rel_err": float(rel[li]),
                          "sink_key_rel_err": float(srel[li]),
-                         "other_key_rel_err": float(orel[li])})  # fmt: skip
+                         "other_key_rel_err": float(orel[li]),
+                         "group_rel_err": np.round(grp[li], 5).tolist()})  # fmt: skip
         bar.update()
     return rows
+
+
+MAX_GROUPS = 32  # key_mse's per-group error: the first groups of G tokens (the sink's is 0)
+
+
+def group_errors(rows: list[dict]) -> dict[str, list[float]]:
+    """Per method: the relative key error of each group of G tokens (``key_mse`` rows'
+    ``group_rel_err``), mean over layers."""
+    out: dict[str, list] = {}
+    for r in rows:
+        if "group_rel_err" in r:
+            out.setdefault(r["method"], []).append(r["group_rel_err"])
+    return {mt: np.mean(np.asarray(v, np.float64), axis=0).tolist() for mt, v in out.items()}
+
+
+def plot_tni(attn: np.ndarray, groups: dict[str, list[float]], path: str, title: str = ""):
+    """The sink figure: attention mass on position 0 per (layer, query head) ``attn``
+    [L, Hq], and the INT2 relative key error per group of G tokens per method (mean over
+    layers, windows and KV heads; group 0 holds the sink). None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    attn = np.asarray(attn, np.float64)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.2))
+    im = a.imshow(attn, aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
+    a.set_xlabel("query head")
+    a.set_ylabel("layer")
+    a.set_title("attention mass on position 0" + (f": {title}" if title else ""))
+    fig.colorbar(im, ax=a)
+    for mt, e in groups.items():
+        b.plot(np.arange(len(e)), e, marker="o", ms=3, lw=1.2, label=mt)
+    b.set_yscale("log")
+    b.set_xlabel("key group (G tokens each; group 0 holds the sink)")
+    b.set_ylabel("relative key error |k_hat - k| / |k|")
+    b.set_title("INT2 key error per group (quantizer only, all tokens)")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def _pyplot():

@@ -173,7 +173,7 @@ def test_eval_without_matplotlib_then_over_budget(tiny_dir, tmp_path, monkeypatc
     out = tmp_path / "e"
     res = ev.run_eval(m, held, str(out), _small(tasks="tni,niah"), model_dir=tiny_dir)
     assert not list(out.glob("*.png"))
-    assert sum(eval_tni.NO_MPL in n for n in res["notes"]) == 2
+    assert sum(eval_tni.NO_MPL in n for n in res["notes"]) == 3  # key_norms, tni, niah
     saved = json.loads((out / "results.json").read_text())
     assert np.asarray(saved["tni"]["norm_profile"]).shape[0] == m.config.num_layers
     assert len(saved["niah"]["cells"]) == 2 * 2 and saved["skipped"] == []

@@ -96,3 +96,23 @@ def test_decode_path_agrees_with_parallel_form(tiny):
     assert "| oscar2_pertoken | 64 |" in dvp.markdown(rows)
     with pytest.raises(ValueError, match="ids.shape"):
         dvp.compare(tiny, ids[:, :2], parse_methods("bf16"))
+
+
+def test_group_key_error_and_sink_figure(tmp_path):
+    """The per-group INT2 key error puts KIVI's worst group at the planted sink's (group 0)
+    and OScaR's there far lower; the sink figure is written."""
+    from helpers import kv_with_sinks
+
+    from oscar_eval import tni as eval_tni
+
+    k, _ = kv_with_sinks(3, 2, 256, 2, 128, sinks=(0,), ratio=20.0, massive=2)
+    k = np.asarray(k)[:, None]  # [N=2, L=1, T, H, D]
+    rows = eval_tni.key_mse(k, parse_methods("kivi2,oscar2"), show_progress=False)
+    ge = eval_tni.group_errors(rows)
+    assert set(ge) == {"kivi2", "oscar2"} and len(ge["kivi2"]) == 256 // 32
+    assert ge["kivi2"][0] > 1.5 * max(ge["kivi2"][1:])  # the sink's group is KIVI's worst
+    # OScaR: the sink's group is no worse than the others
+    assert ge["oscar2"][0] < min(1.2 * np.median(ge["oscar2"][1:]), 0.7 * ge["kivi2"][0])
+    attn = np.random.default_rng(0).uniform(size=(3, 4))
+    path = eval_tni.plot_tni(attn, ge, str(tmp_path / "tni.png"), "planted")
+    assert path is None or (tmp_path / "tni.png").stat().st_size > 1000
