@@ -1,5 +1,6 @@
-"""The model library: Flax NNX Llama (2/3/3.1/3.2), Qwen2/2.5 and Qwen3 ports that decode
-over the OScaR cache.
+"""The model library: Flax NNX Llama (2/3/3.1/3.2), Qwen2/2.5, Qwen3, Gemma 3 (text) and
+Qwen3-MoE ports that decode over the OScaR cache (Gemma 3's sliding-window layers over a
+full-precision ring of their window, ``models.window``).
 
 Usage (``jnp`` is jax.numpy)::
 
@@ -17,7 +18,15 @@ Step by step (what ``generate``'s ``lax.scan`` runs, for tools and benchmarks)::
     logits, caches = models.decode_forward(p.st, p.decode_params, caches, tok, pos)
 """
 
-from models.config import ModelConfig, from_hf_config, llama31_8b, qwen3_8b, rope_inv_freq
+from models.config import (
+    ModelConfig,
+    from_hf_config,
+    gemma3_270m,
+    llama31_8b,
+    qwen3_8b,
+    qwen3_30b_a3b,
+    rope_inv_freq,
+)
 from models.decoding import (
     DecodeState,
     KeyBiasWarning,
@@ -58,6 +67,7 @@ from models.memory import (
 from models.model import CausalLM, abstract_model, fold_value_rotation
 from models.placement import Local, Sharded, placement
 from models.stopping import STOP_REASONS, describe_stops
+from models.window import WindowCache
 from oscar_jax.backends import Backends
 
 __all__ = [
@@ -66,9 +76,11 @@ __all__ = [
     "decode_step_hlo", "DecodeState", "describe_stops", "first_state", "fold_value_rotation",
     "KeyBiasWarning",
     "format_table", "from_hf_config", "from_pretrained", "fused_cache_write", "generate",
-    "generate_program", "generate_stepwise", "layer_params", "llama31_8b", "load_config",
+    "gemma3_270m", "generate_program", "generate_stepwise", "layer_params", "llama31_8b",
+    "load_config",
     "Local", "lower_generate", "memory_table", "ModelConfig", "param_nbytes", "placement",
-    "prefill", "prefill_forward", "prepare", "Prepared", "qwen3_8b", "rope_inv_freq",
+    "prefill", "prefill_forward", "prepare", "Prepared", "qwen3_8b", "qwen3_30b_a3b",
+    "rope_inv_freq",
     "Sharded", "stack_caches", "Static", "step", "step_program", "STOP_REASONS", "trace_count",
-    "unstack_caches",
+    "unstack_caches", "WindowCache",
 ]  # fmt: skip

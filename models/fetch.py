@@ -16,7 +16,7 @@ name or a path::
 Names (``MODELS``): ``smollm2`` (SmolLM2-135M-Instruct, Q4_1, 98 MB, Apache-2.0),
 ``qwen2.5-0.5b`` (Qwen2.5-Coder-0.5B-Instruct, Q4_K_M, 491 MB in six chunks; the
 packages state no license, the model's own is Apache-2.0), ``gemma3-270m`` (gemma-3-270m,
-Q4_K_M, 253 MB in four chunks, Gemma terms; ``models`` has no gemma3 family yet).
+Q4_K_M, 253 MB in four chunks, Gemma terms; its tokenizer needs transformers).
 
 The cache directory is ``cache_dir``, else ``$OSCAR_JAX_CACHE``, else
 ``~/.cache/oscar-jax/models``; each model gets a subdirectory of its name. The wheels
