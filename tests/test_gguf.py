@@ -313,15 +313,15 @@ def test_bad_magic_and_version():
 
 
 def test_unsupported_architecture_and_tensor_type():
-    path = os.path.join(_DIR, "gemma3.gguf")
-    wr = gguf.GGUFWriter(path, "gemma3")
+    path = os.path.join(_DIR, "phi3.gguf")
+    wr = gguf.GGUFWriter(path, "phi3")
     wr.add_block_count(1)
     wr.add_tensor("token_embd.weight", np.zeros((8, 32), np.float32))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    with pytest.raises(ValueError, match=r"general.architecture='gemma3' must be one of") as e:
+    with pytest.raises(ValueError, match=r"general.architecture='phi3' must be one of") as e:
         models.from_pretrained(path)
     assert path in str(e.value)
     # an I32 tensor where a weight belongs: named with its type, before any allocation

@@ -38,7 +38,7 @@ def test_missing_dir_config_and_weights(tmp_path):
     "kw, match",
     [
         (dict(model_type="mistral"), "model_type='mistral'"),
-        (dict(model_type="qwen3_moe"), "model_type='qwen3_moe'"),
+        (dict(model_type="mixtral"), "model_type='mixtral'"),
         (dict(architectures=["LlamaForSequenceClassification"]), "LlamaForSequenceClassification"),
         (
             dict(
