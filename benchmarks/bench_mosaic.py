@@ -47,7 +47,7 @@ def parse_variant(s):
     kw = {}
     for item in filter(None, s.split(",")):
         k, v = item.split("=")
-        kw[k] = v if k == "stage" else int(v)
+        kw[k] = v if k in ("stage", "unpack") else int(v)
     return kw
 
 

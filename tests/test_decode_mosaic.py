@@ -145,6 +145,12 @@ def test_kernels_lower_for_sm90(block, g, stage):
         fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
 
 
+def _qdtype(param_dtype):
+    """Queries (and so outputs) in float32 for float16 parameters: a bfloat16 output's own
+    rounding (2^-9 relative) would exceed float16's bound and hide the kernel's error."""
+    return jnp.float32 if param_dtype == "float16" else jnp.bfloat16
+
+
 class TestMosaicGPU:
     """The compiled kernel against the XLA reference (H200; skipped without a GPU)."""
 
@@ -154,21 +160,48 @@ class TestMosaicGPU:
             pytest.skip("the Mosaic GPU kernel needs a Hopper GPU and jax >= 0.11.2")
 
     @pytest.mark.parametrize(
-        "lengths,g,param_dtype,block",
+        "lengths,g,param_dtype,knobs",
         [
-            ([4000], 4, "float16", 256),
-            ([2080, 0, 150], 4, "bfloat16", 256),  # an empty row, a row all in the ring
-            ([1100, 2047], 7, "float16", 128),
-            ([990, 481], 3, "float16", 64),
-            ([1600, 700], 1, "float16", 256),
+            ([4000], 4, "float16", dict(block_tokens=256)),
+            ([2080, 0, 150], 4, "bfloat16", dict(block_tokens=256)),  # empty row, all-ring row
+            ([1100, 2047], 7, "float16", dict(block_tokens=128)),
+            ([990, 481], 3, "float16", dict(block_tokens=64)),
+            ([1600, 700], 1, "float16", dict(block_tokens=256)),
+            ([3000, 1234], 4, "float16", dict(unpack="lop")),
+            ([2900, 77], 6, "bfloat16", dict(unpack="lop", block_tokens=128)),
+            ([3000, 1234], 4, "float16", dict(overlap_keys=True)),
+            ([2500, 900], 7, "bfloat16", dict(overlap_keys=True, unpack="lop")),
+            ([3100, 0, 640], 4, "float16", dict(unpack="lop3", block_tokens=128)),
+            ([2222, 1000], 3, "bfloat16", dict(unpack="lop3", overlap_keys=True)),
+            ([2048, 333], 8, "float16", dict(unpack="lop3", overlap_keys=True, block_tokens=64)),
         ],
     )
-    def test_matches_xla(self, lengths, g, param_dtype, block):
+    def test_matches_xla(self, lengths, g, param_dtype, knobs):
         c = _cache(sum(lengths), len(lengths), lengths, param_dtype=param_dtype,
                    max_len=4096 + 160)  # fmt: skip
-        q = query(len(lengths), len(lengths), 2 * g, D, jnp.bfloat16)
-        cfg = mk.Int2DecodeConfig(block_tokens=block)
+        q = query(len(lengths), len(lengths), 2 * g, D, _qdtype(param_dtype))
+        cfg = mk.Int2DecodeConfig(**knobs)
         got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg))(q, c)
+        want = oj.decode_attention(q, c, implementation="xla")
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+    @pytest.mark.parametrize(
+        "lengths,g,param_dtype,knobs",
+        [
+            ([3000, 0, 150], 4, "float16", dict()),
+            ([2000, 1999], 7, "bfloat16", dict(unpack="lop", block_tokens=128)),
+            ([3900, 0, 161], 4, "float16", dict(merge_step=4, unpack="lop3")),
+            ([1500, 2500], 6, "bfloat16", dict(merge_step=8, block_tokens=64, unpack="lop3")),
+        ],
+    )
+    def test_two_launches_match_xla(self, lengths, g, param_dtype, knobs):
+        """The ring and the LSE merge in the second Mosaic launch (values unrotated)."""
+        c = _cache(sum(lengths) + 1, len(lengths), lengths, param_dtype=param_dtype,
+                   max_len=4096 + 160, rotate_values=False)  # fmt: skip
+        q = query(len(lengths) + 1, len(lengths), 2 * g, D, _qdtype(param_dtype))
+        cfg = mk.Int2DecodeConfig(**knobs)
+        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge="mosaic"))(q, c)
         want = oj.decode_attention(q, c, implementation="xla")
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err

@@ -93,8 +93,8 @@ LOG2E = 1.4426950408889634
 class Int2DecodeConfig:
     """Tuning of the kernel (validated; frozen so it can be a static jit argument).
 
-    The defaults are the configuration checked on the H200 (auto_barriers=False, waves=2)
-    and the fastest measured at 1 x 128K (BENCHMARKS.md).
+    The defaults are the fastest configuration measured at 1 x 128K on the H200 (in-place
+    unpack by one LOP3, overlapped key wgmma, 8 splits a merge step; BENCHMARKS.md).
 
     block_tokens: tokens per pipeline step (a multiple of 64).
     splits: split-K programs per (b, h) row; None: chosen so that B * H * splits fills
@@ -111,9 +111,12 @@ class Int2DecodeConfig:
       issuing warp waited on the block's last wgmma, which follows every read of the slot).
     split_operands: dequantize K in two K = 64 halves and V^T one channel half at a time
       (fewer live registers, more wgmma issues; measured slower, kept for experiments).
+    merge_step: splits the merge launch combines a pipeline step (the partials kernel pads
+      the split count to a multiple of it with empty splits).
+    reduction_scratch: shared-memory bytes Mosaic reserves for cross-warp reductions (the
+      softmax max of a block).
     overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the
-      dequant of subtile j+1 overlaps the wgmma of subtile j. NOT YET RUN ON A GPU (lowers
-      for sm_90 only); the measured configuration waits after each subtile.
+      dequant of subtile j+1 overlaps the wgmma of subtile j (False: wait after each).
     """
 
     block_tokens: int = 256
@@ -123,7 +126,10 @@ class Int2DecodeConfig:
     stage: str = "full"
     auto_barriers: bool = False
     split_operands: bool = False
-    overlap_keys: bool = False
+    overlap_keys: bool = True
+    unpack: str = "lop3"
+    merge_step: int = 8
+    reduction_scratch: int = 2048
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -136,6 +142,10 @@ class Int2DecodeConfig:
             raise ValueError("max_concurrent_steps must be >= 1")
         if self.stage not in ("full", "keys", "stream", "dequant", "nofma"):
             raise ValueError(f"stage={self.stage!r}")
+        if self.merge_step < 1:
+            raise ValueError(f"merge_step={self.merge_step} must be >= 1")
+        if self.unpack not in ("shift", "lop", "lop3"):
+            raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
 
     def num_splits(self, b: int, h: int, capacity: int, num_sms: int = 132) -> int:
         nblk = max(1, -(-capacity // self.block_tokens))
@@ -300,7 +310,7 @@ def fragment_layout_inverse(rec, kn, lq, *, param_dtype=jnp.float16):
 # ----------------------------------------------------------------------------------
 # Kernel
 # ----------------------------------------------------------------------------------
-def _dequant_fns(pdt, no_fma=False):
+def _dequant_fns(pdt, no_fma=False, unpack="shift"):
     """inline_mgpu bodies: record smem ref -> K [64, 128] / V^T halves [64, 64] fragments."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
@@ -346,28 +356,63 @@ def _dequant_fns(pdt, no_fma=False):
         j = arith.remui(lane, c32(4))
         return tid, w, j
 
+    # Planes a 16-bit half holds below the magic's exponent without a shift ("lop" unpack):
+    # the f16 mantissa has 10 bits (codes at bits 0..9: planes 0..4), bf16's 7 (planes 0..2).
+    span = 5 if is_f16 else 3
+    shifted = {}  # (id of the word, shift) -> the word shifted right, one SHF per word
+
+    def plane_src(word, p):
+        """(word to mask, plane within it): one shift per ``span`` planes."""
+        if unpack == "shift":
+            return (arith.shrui(word, c32(2 * p)) if p else word), 0
+        k, q = divmod(p, span)
+        if k == 0:
+            return word, q
+        key = (id(word), k)
+        if key not in shifted:
+            shifted[key] = (word, arith.shrui(word, c32(2 * span * k)))  # keep word alive
+        return shifted[key][1], q
+
     def unpack_pair(word, p, scale, zero):
-        """(code at bits 2p, code at bits 16 + 2p) of ``word`` -> x2 = code * scale + zero."""
+        """(code at bits 2p, code at bits 16 + 2p) of ``word`` -> x2 = code * scale + zero.
+
+        "shift": shift the plane down, OR the magic on (1024 + code or 128 + code, exact),
+        subtract the magic, FMA. "lop": mask the plane in place (1024 + code 4^q, exact for
+        q < span), one FMA with exact constants back to the code (code = x 4^-q - 1024 4^-q,
+        an integer), FMA: no shift for most planes."""
         i32, ft, v2, _ = ctypes()
-        x = arith.shrui(word, c32(2 * p)) if p else word
-        x = arith.ori(arith.andi(x, c32(0x00030003)), c32(magic | (magic << 16)))
+        src, q = plane_src(word, p)
+        mask = 0x00030003 << (2 * q)
+        if unpack == "lop3":  # one LOP3: ptxas splits LLVM's and + or of two constants
+            x = llvm.inline_asm(
+                i32, [src], f"lop3.b32 $0, $1, {mask}, {magic | (magic << 16)}, 0xea;", "=r,r"
+            )
+        else:
+            x = arith.ori(arith.andi(src, c32(mask)), c32(magic | (magic << 16)))
         xv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), x))
-        mg = arith.constant(v2, ir.DenseElementsAttr.get_splat(
-            v2, ir.FloatAttr.get(ft, 1024.0 if is_f16 else 128.0)))  # fmt: skip
+
+        def splat(v):
+            return arith.constant(v2, ir.DenseElementsAttr.get_splat(v2, ir.FloatAttr.get(ft, v)))
+
+        base = 1024.0 if is_f16 else 128.0
         if no_fma:  # ablation (timing only): magic-biased codes, no scale / zero
             return xv
-        xv = arith.subf(xv, mg)
+        if q == 0:
+            xv = arith.subf(xv, splat(base))
+        else:
+            xv = _fma(xv, splat(4.0**-q), splat(-base * 4.0**-q))
         sv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), scale))
         zv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), zero))
-        return (
-            llvm.intr_fma(xv, sv, zv)
-            if hasattr(llvm, "intr_fma")
-            else arith.addf(arith.mulf(xv, sv), zv)
-        )
+        return _fma(xv, sv, zv)
+
+    def _fma(a, b, c):
+        return llvm.intr_fma(a, b, c) if hasattr(llvm, "intr_fma") else arith.addf(
+            arith.mulf(a, b), c)  # fmt: skip
 
     def key_frag(ctx, rec_ref, row, half=None):
         """K tile (tokens x channels) of record ``row`` of ``rec_ref`` [n, 25, 64] uint32:
         [64, 128], or with ``half`` in (0, 1) its channels 64 half.. (fewer live registers)."""
+        shifted.clear()
         tid, w, j = tids()
         cw = words(load4(rec_ref, row, arith.muli(tid, c32(4))))
         g = arith.divui(w, c32(2))
@@ -395,6 +440,7 @@ def _dequant_fns(pdt, no_fma=False):
 
     def value_frags(ctx, rec_ref, row, mts=(0, 1)):
         """V^T tiles (channels x tokens) [64, 64] for the channel halves ``mts``."""
+        shifted.clear()
         tid, w, j = tids()
         cw = words(load4(rec_ref, row, arith.addi(c32(_VC), arith.muli(tid, c32(4)))))
         layout = fa.WGMMA_LAYOUT
@@ -482,13 +528,14 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     s = cfg.num_splits(b, h, lp)
     bps = -(-nblk_total // s)
     s = -(-nblk_total // bps)
+    s = -(-s // cfg.merge_step) * cfg.merge_step  # empty splits (no block) pad to the step
     scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
     pdt = jnp.dtype(param_dtype)
     qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
     qt = jnp.swapaxes(qt, -1, -2).astype(pdt)  # [B, H, 128, 8]
     key_frag, value_frags, stream_touch, dequant_touch = _dequant_fns(
-        pdt, no_fma=cfg.stage == "nofma"
+        pdt, no_fma=cfg.stage == "nofma", unpack=cfg.unpack
     )
     f32 = jnp.float32
     NEG = -1e30
@@ -600,9 +647,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
                             (v,) = plgpu.inline_mgpu(
                                 arg_types=(plgpu.RefType(),),
                                 return_type=(plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG),),
-                            )(functools.partial(value_frags, row=jt, mts=(mt,)))(
-                                r_smem
-                            )
+                            )(functools.partial(value_frags, row=jt, mts=(mt,)))(r_smem)
                             plgpu.wgmma(a, v, p_smem.at[jt])
                         continue
                     v0, v1 = plgpu.inline_mgpu(
@@ -621,13 +666,14 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
             plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
             plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
         )
+        pipe_specs = [
+            plgpu.BlockSpec((nsub, WORDS // 64, 64), lambda i: (start_blk + i, 0, 0)),
+            plgpu.BlockSpec((nsub, TILE), lambda i: (start_blk + i, 0)),
+        ]
         pipe = plgpu.emit_pipeline(
             body,
             grid=(nblk,),
-            in_specs=[
-                plgpu.BlockSpec((nsub, WORDS // 64, 64), lambda i: (start_blk + i, 0, 0)),
-                plgpu.BlockSpec((nsub, TILE), lambda i: (start_blk + i, 0)),
-            ],
+            in_specs=pipe_specs,
             max_concurrent_steps=cfg.max_concurrent_steps,
             init_carry=init,
         )
@@ -659,7 +705,9 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         grid=(b, h, s),
         grid_names=("b", "h", "s"),
         compiler_params=plgpu.CompilerParams(
-            approx_math=True, unsafe_no_auto_barriers=not cfg.auto_barriers
+            approx_math=True,
+            unsafe_no_auto_barriers=not cfg.auto_barriers,
+            reduction_scratch_bytes=cfg.reduction_scratch,
         ),
     )
     rec3 = rec.reshape(b, h, nrec, WORDS // 64, 64)  # TMA boxes are <= 256 per dimension
@@ -714,7 +762,8 @@ def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
                                     softmax_scale=softmax_scale, unrotate=unrotate)  # fmt: skip
 
 
-def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers=True):
+def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers=True,
+                    step=1):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, 2, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
@@ -800,25 +849,32 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
 
         def part_body(idxs, a_smem, ml_smem, carry):
             m_prev, l_prev, o0, o1 = carry
-            ms = plgpu.load(ml_smem.at[0], layout=WG.reduce(0))
-            ls = plgpu.load(ml_smem.at[1], layout=WG.reduce(0))
-            m_new = jnp.maximum(m_prev, ms)
+            ms = [plgpu.load(ml_smem.at[2 * u], layout=WG.reduce(0)) for u in range(step)]
+            ls = [plgpu.load(ml_smem.at[2 * u + 1], layout=WG.reduce(0)) for u in range(step)]
+            m_new = m_prev
+            for mu in ms:
+                m_new = jnp.maximum(m_new, mu)
             ca = jnp.exp2(m_prev - m_new)
-            cs = jnp.exp2(ms - m_new)
             ca_b = jax.lax.broadcast_in_dim(ca, (TILE, NPAD), [1])
-            cs_b = jax.lax.broadcast_in_dim(cs, (TILE, NPAD), [1])
-            a0 = plgpu.load(a_smem.at[0], layout=WG)
-            a1 = plgpu.load(a_smem.at[1], layout=WG)
-            return m_new, l_prev * ca + ls * cs, o0 * ca_b + a0 * cs_b, o1 * ca_b + a1 * cs_b
+            l_new, o0, o1 = l_prev * ca, o0 * ca_b, o1 * ca_b
+            for u in range(step):
+                cs = jnp.exp2(ms[u] - m_new)
+                cs_b = jax.lax.broadcast_in_dim(cs, (TILE, NPAD), [1])
+                l_new = l_new + ls[u] * cs
+                o0 = o0 + plgpu.load(a_smem.at[2 * u], layout=WG) * cs_b
+                o1 = o1 + plgpu.load(a_smem.at[2 * u + 1], layout=WG) * cs_b
+            return m_new, l_new, o0, o1
 
+        if s % step:
+            raise ValueError(f"the split count {s} must be a multiple of {step=}")
         part_pipe = plgpu.emit_pipeline(
             part_body,
-            grid=(s,),
+            grid=(s // step,),
             in_specs=[
-                plgpu.BlockSpec((2, TILE, NPAD), lambda i: (i, 0, 0)),
-                plgpu.BlockSpec((2, NPAD), lambda i: (i, 0)),
+                plgpu.BlockSpec((2 * step, TILE, NPAD), lambda i: (i, 0, 0)),
+                plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
             ],
-            max_concurrent_steps=min(4, s),
+            max_concurrent_steps=min(4 if step == 1 else 2, s // step),
             init_carry=(m, lsum, o0, o1),
         )
         m, lsum, o0, o1 = part_pipe(
@@ -878,7 +934,7 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
     rp = -(-r // TILE) * TILE
     mask = jnp.pad(ring_valid.astype(jnp.float32), ((0, 0), (0, rp - r)))
     out_t = int2_merge_ring(acc, ml, qr, k_res.astype(rdt), v_res.astype(rdt), mask,
-                            auto_barriers=cfg.auto_barriers)  # fmt: skip
+                            auto_barriers=cfg.auto_barriers, step=cfg.merge_step)  # fmt: skip
     out = jnp.swapaxes(out_t.reshape(b, h, D, NPAD), -1, -2)[:, :, :g]
     return out.astype(q.dtype)
 
@@ -902,20 +958,27 @@ def unsupported_reason(cache) -> str | None:
     return None
 
 
-def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConfig = None):
+def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConfig = None,
+                            merge: str = "xla"):  # fmt: skip
     """``oscar_jax.decode_attention`` of q [B, Hq, D] over ``cache`` by the Mosaic kernel.
 
     Converts the cache to the record layout first (``fragment_layout``), rotates the query
-    and merges the ring with ``merge_partials_with_ring``; NaN for FLAG_NONFINITE rows as
-    the library's attention. ValueError for a cache ``unsupported_reason`` names.
+    and merges the ring: ``merge="xla"`` by ``merge_partials_with_ring``, ``"mosaic"`` by the
+    second Mosaic launch (``int2_decode_attention_2launch``; values must not be rotated).
+    NaN for FLAG_NONFINITE rows as the library's attention. ValueError for a cache
+    ``unsupported_reason`` names.
     """
     reason = unsupported_reason(cache)
     if reason is not None:
         raise ValueError(f"decode_attention_mosaic: {reason}")
+    if merge not in ("xla", "mosaic"):
+        raise ValueError(f"{merge=} must be 'xla' or 'mosaic'")
     g = att.check_query(q, cache)
     if g > NPAD:
         raise ValueError(f"GQA ratio g={g} must be <= {NPAD} for the Mosaic kernel")
     kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
+    if merge == "mosaic" and kcfg.rotate_values:
+        raise ValueError("merge='mosaic' needs values stored unrotated (rotate_values=False)")
     pdt = jnp.dtype(kcfg.scale_dtype)
     cfg = cfg or Int2DecodeConfig()
     rec, kn = fragment_layout(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm,
@@ -925,8 +988,13 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
     nq = cache.num_quantized().astype(jnp.int32)
     _, ring_valid = _residual_tokens(nq, cache.lengths, cache.slots)
-    unrot = (lambda x: hadamard.unrotate(x, kcfg)) if kcfg.rotate_values else None
-    out = int2_decode_attention(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res, ring_valid,
-                                cfg=cfg, softmax_scale=softmax_scale, param_dtype=pdt,
-                                unrotate=unrot)  # fmt: skip
+    if merge == "mosaic":
+        out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
+                                            ring_valid, cfg=cfg, softmax_scale=softmax_scale,
+                                            param_dtype=pdt)  # fmt: skip
+    else:
+        unrot = (lambda x: hadamard.unrotate(x, kcfg)) if kcfg.rotate_values else None
+        out = int2_decode_attention(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
+                                    ring_valid, cfg=cfg, softmax_scale=softmax_scale,
+                                    param_dtype=pdt, unrotate=unrot)  # fmt: skip
     return att.poison_flagged_rows(out.reshape(q.shape).astype(q.dtype), cache)
