@@ -101,6 +101,49 @@ def xla_bf16(q, k_hm, v_hm):
     return o.reshape(b, HQ, D).astype(q.dtype)
 
 
+def mosaic_call(b, ctx, k, v, knobs):
+    """The Mosaic GPU INT2 decode call (``pallas_kernels.decode.mosaic``, two launches) over
+    an OScaR INT2 cache whose values are stored unrotated, the cache converted to the
+    kernel's record layout once, ahead of the timed calls. Returns (fn(q, *operands),
+    operands), bytes read (records + norms of the quantized tokens, the ring)."""
+    from oscar_jax import hadamard
+    from oscar_jax.cache import _residual_tokens
+    from pallas_kernels.decode import mosaic as mk
+
+    cfg = mk.Int2DecodeConfig(**knobs)
+    kcfg = oj.preset("oscar", bits=2, rotate_values=False)
+    c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
+    c = jax.jit(oj.prefill)(c, k, v)
+    pdt = jnp.dtype(kcfg.scale_dtype)
+    rec, kn = jax.jit(
+        lambda c: mk.fragment_layout(
+            c.k_codes,
+            c.k_scale,
+            c.k_zero,
+            c.k_norm,
+            c.v_codes,
+            c.v_scale,
+            c.v_zero,
+            param_dtype=pdt,
+            block_tokens=cfg.block_tokens,
+        )  # fmt: skip
+    )(c)
+    nq = c.num_quantized().astype(jnp.int32)
+    _, ring_valid = _residual_tokens(nq, c.lengths, c.slots)
+
+    def fn(q, rec, kn, nq, k_res, v_res, ring_valid, cache):
+        del cache  # the reference of --check
+        qg = q.astype(jnp.float32).reshape(b, HKV, HQ // HKV, D)
+        q_rot = hadamard.rotate(qg, kcfg)
+        out = mk.int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, k_res, v_res,
+                                               ring_valid, cfg=cfg, param_dtype=pdt)  # fmt: skip
+        return out.reshape(q.shape).astype(q.dtype)
+
+    nrec = np.asarray(-(-nq // 64), np.int64)
+    nbytes = int(np.sum(nrec) * HKV * (mk.WORDS * 4 + 64 * 4)) + 2 * c.k_res.size * 2
+    return (fn, (rec, kn, nq, c.k_res, c.v_res, ring_valid, c)), nbytes
+
+
 def run_shape(b, ctx, args, log):
     q, k, v = make_inputs(b, ctx)
     res = {}
@@ -168,6 +211,19 @@ def run_shape(b, ctx, args, log):
                 lambda qq, kk, vv, ks=ks: gqa_mod.gqa(qq, kk, vv, k_splits=ks),
                 (k_bl, v_bl),
             )
+    if args.mosaic is not None:
+        mos_name, (f, ops), mbytes = "mosaic int2", *mosaic_call(b, ctx, k, v, args.mosaic)
+        try:
+            res[mos_name] = dict(ms=T(f, ops) * 1e3, bytes=mbytes, opts=args.mosaic)
+            if args.check:
+                ref = oj.decode_attention(q, ops[-1]).astype(jnp.float32)
+                out = f(q, *ops).astype(jnp.float32)
+                res[mos_name]["max_rel"] = float(
+                    jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
+                )
+        except Exception as e:  # noqa: BLE001  (report and continue)
+            res[mos_name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        log(f"{b}x{ctx} {mos_name}: {res[mos_name]}")
     for name, (f, ops) in peers.items():
         try:
             res[name] = dict(ms=T(f, ops) * 1e3, bytes=bf_bytes)
@@ -193,26 +249,34 @@ def run_shape(b, ctx, args, log):
 
 
 def table(results, copy_bw, header):
-    cols = ["int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
+    bf_cols = ["bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
+    int_cols = [c for c in ("mosaic int2", "int2") if any(c in r for r in results.values())]
+    cols = int_cols + bf_cols
+    names = {"int2": "triton int2", "mosaic int2": "mosaic int2"}
+    extra_h = [f"fastest BF16 / {names[c]} | {names[c]} GB/s (% of copy)" for c in int_cols]
     lines = [
         header,
         "",
-        "| batch x context | " + " | ".join(cols) + " | fastest BF16 / INT2 | "
-        "INT2 GB/s (% of copy) |",
-        "|" + "---|" * (len(cols) + 3),
+        "| batch x context | "
+        + " | ".join(names.get(c, c) for c in cols)
+        + " | "
+        + " | ".join(extra_h)
+        + " |",
+        "|" + "---|" * (len(cols) + 1 + 2 * len(int_cols)),
     ]
     for shape, res in results.items():
         cells = [f"{res[c]['ms']:.4f} ms" if "ms" in res.get(c, {}) else "n/a" for c in cols]
-        bf = [res[c]["ms"] for c in cols[1:] if "ms" in res.get(c, {})]
-        if "ms" in res.get("int2", {}) and bf:
-            t = res["int2"]["ms"] * 1e-3
-            bw = res["int2"]["bytes"] / t
-            extra = [
-                f"{min(bf) / res['int2']['ms']:.2f}x",
-                f"{bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%)",
-            ]
-        else:
-            extra = ["n/a", "n/a"]
+        bf = [res[c]["ms"] for c in bf_cols if "ms" in res.get(c, {})]
+        extra = []
+        for c in int_cols:
+            if "ms" in res.get(c, {}) and bf:
+                bw = res[c]["bytes"] / (res[c]["ms"] * 1e-3)
+                extra += [
+                    f"{min(bf) / res[c]['ms']:.2f}x",
+                    f"{bw / 1e9:.0f} ({100 * bw / copy_bw:.0f}%)",
+                ]
+            else:
+                extra += ["n/a", "n/a"]
         lines.append(f"| {shape} | " + " | ".join(cells + extra) + " |")
     lines.append("")
     lines.append(f"Device copy (x -> -x, read + write, device-side): {copy_bw / 1e9:.0f} GB/s.")
@@ -227,7 +291,8 @@ def plot(results, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = ["int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
+    names = ["mosaic int2", "int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16",
+             "pallas gqa (best)"]  # fmt: skip
     fig, ax = plt.subplots(figsize=(6, 4))
     colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     markers = "os^Dv"  # one marker per batch size, one colour per implementation
@@ -284,6 +349,9 @@ def main():
     ap.add_argument("--unroll", type=int, default=8, help="chained calls per loop iteration")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--no-gqa", action="store_true")
+    ap.add_argument("--mosaic", type=json.loads, default=None,
+                    help="JSON dict of Int2DecodeConfig knobs: also time the Mosaic GPU INT2 "
+                    "kernel (jax >= 0.11.2, Hopper), '{}' for its defaults")  # fmt: skip
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--gqa-splits", default="8,16,32", help="k_splits tried for Pallas gqa")
     ap.add_argument("--variant-shapes", default="", help="shapes that run all --variants")
