@@ -124,12 +124,12 @@ def layer_keys(m, ids: np.ndarray):
     cfg, params = m.config, m.params()
     b, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    x = layers.embed(params, jnp.asarray(ids))
+    x = layers.embed(params, jnp.asarray(ids), cfg)
     out = []
     for i in range(cfg.num_layers):
         lp = layer_params(params, i)
-        h = layers.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        q, k, _ = layers.qkv(cfg, lp, h, pos)
+        h = layers.norm(cfg, x, lp["attn_norm"])
+        q, k, _ = layers.qkv(cfg, lp, h, pos, cfg.is_local(i))
         k_nb = None
         if "bk" in lp:
             _, k_nb, _ = layers.qkv(cfg, {**lp, "bk": jnp.zeros_like(lp["bk"])}, h, pos)
@@ -140,7 +140,7 @@ def layer_keys(m, ids: np.ndarray):
             else None
         )
         out.append((np.asarray(q, np.float32), np.asarray(k, np.float32), k_nb, bias_norm))
-        x, _ = layers.prompt_block(cfg, lp, x, pos)
+        x, _ = layers.prompt_block(cfg, lp, x, pos, local=cfg.is_local(i))
     return out
 
 
