@@ -117,6 +117,28 @@ def test_unsupported_caches_are_named():
         mk.Int2DecodeConfig(block_tokens=100)
 
 
+@pytest.mark.parametrize(
+    "b,lq,want",
+    [(1, 131072, 32), (8, 32768, 4), (48, 4096, 2), (1, 4096, 16), (4, 131072, 8)],
+)
+def test_splits_fill_whole_rounds_of_resident_programs(b, lq, want):
+    """8 KV heads, 132 SMs x 2 resident programs: B H s programs in whole rounds."""
+    cfg = mk.Int2DecodeConfig()
+    s = cfg.num_splits(b, 8, lq)
+    assert s == want
+    rounds = -(-(b * 8 * s) // 264)
+    ts = range(1, min(lq // 256, 64) + 1)
+    assert rounds / s <= 1.05 * min(-(-(b * 8 * t) // 264) / t for t in ts)
+    assert mk.Int2DecodeConfig(waves=2).num_splits(b, 8, lq) == min(-(-264 // (8 * b)), lq // 256)
+    assert mk.Int2DecodeConfig(splits=3).num_splits(b, 8, lq) == 3
+
+
+def test_merge_step_divides_the_splits():
+    assert [mk.merge_step_for(8, s) for s in (1, 2, 4, 8, 16, 32, 33, 12, 7)] == [
+        1, 2, 4, 8, 8, 8, 3, 6, 7,
+    ]  # fmt: skip
+
+
 def _lowering_stack() -> str | None:
     """Why the kernels cannot be lowered for CUDA here (None: they can)."""
     version = tuple(int(x) for x in jax.__version__.split(".")[:3] if x.isdigit())

@@ -98,7 +98,8 @@ class Int2DecodeConfig:
 
     block_tokens: tokens per pipeline step (a multiple of 64).
     splits: split-K programs per (b, h) row; None: chosen so that B * H * splits fills
-      the GPU about ``waves`` times.
+      the GPU about ``waves`` times; ``waves=None`` balances rounds of ``ctas_per_sm``
+      resident programs an SM (``num_splits``).
     max_concurrent_steps: TMA pipeline depth.
     stage: "full" (the kernel), "keys" (key path + softmax only, no value dequant/wgmma;
       for timing), "stream" (the TMA pipeline + the code words XOR-folded; for timing),
@@ -111,8 +112,8 @@ class Int2DecodeConfig:
       issuing warp waited on the block's last wgmma, which follows every read of the slot).
     split_operands: dequantize K in two K = 64 halves and V^T one channel half at a time
       (fewer live registers, more wgmma issues; measured slower, kept for experiments).
-    merge_step: splits the merge launch combines a pipeline step (the partials kernel pads
-      the split count to a multiple of it with empty splits).
+    merge_step: at most this many splits the merge launch combines a pipeline step (the
+      largest divisor of the split count, ``merge_step_for``).
     reduction_scratch: shared-memory bytes Mosaic reserves for cross-warp reductions (the
       softmax max of a block).
     overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the
@@ -121,7 +122,8 @@ class Int2DecodeConfig:
 
     block_tokens: int = 256
     splits: int | None = None
-    waves: int = 2
+    waves: int | None = None
+    ctas_per_sm: int = 2
     max_concurrent_steps: int = 3
     stage: str = "full"
     auto_barriers: bool = False
@@ -148,11 +150,23 @@ class Int2DecodeConfig:
             raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
 
     def num_splits(self, b: int, h: int, capacity: int, num_sms: int = 132) -> int:
+        """Split-K programs per (b, h) row.
+
+        ``waves`` set: about ``waves`` x num_sms programs in all. ``waves=None`` (default):
+        the kernel holds ``ctas_per_sm`` programs an SM at once (its ~250 registers a
+        thread allow 2), so B H s programs run in ceil(B H s / (ctas_per_sm num_sms))
+        rounds and a row's time goes as rounds / s: the smallest s within 5% of the best
+        rounds / s over s <= min(blocks, 64) (few splits: a cheaper merge)."""
         nblk = max(1, -(-capacity // self.block_tokens))
         if self.splits is not None:
             return min(self.splits, nblk)
-        want = max(1, -(-(self.waves * num_sms) // (b * h)))
-        return min(want, nblk)
+        if self.waves is not None:
+            want = max(1, -(-(self.waves * num_sms) // (b * h)))
+            return min(want, nblk)
+        slots = self.ctas_per_sm * num_sms
+        cost = {s: -(-(b * h * s) // slots) / s for s in range(1, min(nblk, 64) + 1)}
+        best = min(cost.values())
+        return min(s for s, c in cost.items() if c <= 1.05 * best)
 
 
 # ----------------------------------------------------------------------------------
@@ -528,7 +542,6 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     s = cfg.num_splits(b, h, lp)
     bps = -(-nblk_total // s)
     s = -(-nblk_total // bps)
-    s = -(-s // cfg.merge_step) * cfg.merge_step  # empty splits (no block) pad to the step
     scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
     pdt = jnp.dtype(param_dtype)
     qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
@@ -762,6 +775,12 @@ def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
                                     softmax_scale=softmax_scale, unrotate=unrotate)  # fmt: skip
 
 
+def merge_step_for(merge_step: int, splits: int) -> int:
+    """Splits the merge launch combines a pipeline step: the largest divisor of the split
+    count that is <= ``merge_step`` (no empty splits to pad with)."""
+    return max(d for d in range(1, min(merge_step, splits) + 1) if splits % d == 0)
+
+
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers=True,
                     step=1):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
@@ -933,8 +952,9 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
     r = k_res.shape[2]
     rp = -(-r // TILE) * TILE
     mask = jnp.pad(ring_valid.astype(jnp.float32), ((0, 0), (0, rp - r)))
+    step = merge_step_for(cfg.merge_step, acc.shape[2])
     out_t = int2_merge_ring(acc, ml, qr, k_res.astype(rdt), v_res.astype(rdt), mask,
-                            auto_barriers=cfg.auto_barriers, step=cfg.merge_step)  # fmt: skip
+                            auto_barriers=cfg.auto_barriers, step=step)  # fmt: skip
     out = jnp.swapaxes(out_t.reshape(b, h, D, NPAD), -1, -2)[:, :, :g]
     return out.astype(q.dtype)
 
