@@ -225,3 +225,21 @@ def test_gguf_logits_match_transformers():
     ref_hf = models.from_pretrained(path)
     kn = [np.asarray(x.params()["layers"]["k_norm"]) for x in (g, ref_hf)]
     np.testing.assert_allclose(kn[0], kn[1], atol=1e-6)  # the file's 1 + w, back to w
+
+
+@pytest.mark.parametrize("method", ["bf16", "oscar"])
+def test_sharded_generation_equals_unsharded(method):
+    """A (data 2, model 2, sequence 2) mesh: rings split by rows and KV heads, the global
+    layers' caches as the other families'."""
+    import jax
+    from jax.sharding import Mesh
+
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    m = ours()
+    ids = _random_ids(2, 13, seed=4)
+    kv = oj.preset("bf16") if method == "bf16" else oj.preset("oscar", bits=2, residual_length=32)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "model", "sequence"))
+    ref = np.asarray(models.generate(m, ids, 12, kv=kv, stop_tokens=(), max_len=64))
+    got = np.asarray(models.generate(m, ids, 12, kv=kv, stop_tokens=(), mesh=mesh, max_len=64))
+    np.testing.assert_array_equal(got, ref)
