@@ -25,9 +25,16 @@ from oscar_jax import methods as oscar_methods
 
 
 def load(path: str) -> dict:
-    with open(path) as f:
-        res = json.load(f)
-    nll = {k: np.asarray(v, np.float64) for k, v in res["ppl_nll"].items()}
+    """One run: a results.json, or several joined with "+" (runs of one model on the same
+    windows, e.g. methods split over two processes; their ``ppl_key`` must agree)."""
+    parts = []
+    for p in path.split("+"):
+        with open(p) as f:
+            parts.append(json.load(f))
+    res = parts[0]
+    if any(r["ppl_key"] != res["ppl_key"] for r in parts):
+        raise ValueError(f"{path}: the runs' windows / settings (ppl_key) differ")
+    nll = {k: np.asarray(v, np.float64) for r in parts for k, v in r["ppl_nll"].items()}
     mc = res["model_config"]
     ctx = int(res["ppl_key"]["ctx"])
     score = res.get("settings", {}).get("ppl_score", "all")
@@ -115,7 +122,8 @@ def plot(runs: list[dict], png: str, caption: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("results", nargs="+", help="results.json of oscar-jax eval --tasks ppl")
+    helps = "results.json of oscar-jax eval --tasks ppl (a.json+b.json: one model's runs)"
+    ap.add_argument("results", nargs="+", help=helps)
     ap.add_argument("--png", default="", help="write the Pareto plot here")
     ap.add_argument("--caption", default="", help="text under the plot (command, commit, date)")
     a = ap.parse_args(argv)

@@ -58,3 +58,18 @@ def test_turbo_method_quantizes_keys_and_values_with_their_own_signs():
         M.TurboQuant(bits=8)
     with pytest.raises(ValueError, match="seed"):
         M.TurboQuant(seed=-1)
+
+
+def test_turbo_with_the_bias_offset_is_turbo_on_the_bias_free_keys():
+    k = jax.random.normal(jax.random.PRNGKey(4), (1, 2, 64, 64))
+    c = jax.random.normal(jax.random.PRNGKey(5), (64, 2, 64)) * 30.0
+    off = jnp.swapaxes(c, 0, 1)[None]
+    got, _ = M.TurboQuantBias().fake_quant_kv(k + off, k, c)
+    want = turbo.codebook_fake_quant(k, 2, 0, "bfloat16") + off
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3)
+    plain, _ = M.TurboQuantBias().fake_quant_kv(k, k)
+    np.testing.assert_array_equal(
+        np.asarray(plain), np.asarray(M.TurboQuant().fake_quant_kv(k, k)[0])
+    )
+    assert isinstance(M.parse_name("turbob2"), M.TurboQuantBias)
+    assert M.parse_name("turbob2").bytes_per_token(64)["total"] == 36.0

@@ -9,6 +9,7 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
     kivi{b}_sink{S}     KIVI + the first S tokens in full precision (``sinks``)
     ott{b}_n{N}         KIVI + the N smallest-L1 keys per group in full precision (``ott``)
     turbo{b}            random-sign Hadamard + norm + Lloyd-Max codebook (``turbo``)
+    turbob{b}           turbo on k - RoPE_t(b_k), as oscarb (``turbo``)
     oscarc{b}           oscarb with 8-bit scales / zeros / norms (proposal A, ``compact``)
 
 each optionally followed by ``_r{R}`` / ``_g{G}`` (residual length, group size).
@@ -27,17 +28,18 @@ from oscar_jax.methods.compact import OscarCompact, shared_exponent_norms
 from oscar_jax.methods.group_mean import OscarGroupMean
 from oscar_jax.methods.ott import OTT
 from oscar_jax.methods.sinks import KiviSinks
-from oscar_jax.methods.turbo import TurboQuant, lloyd_max_gaussian
+from oscar_jax.methods.turbo import TurboQuant, TurboQuantBias, lloyd_max_gaussian
 
 FAMILIES = {
     "oscarb": OscarBias,
     "oscarm": OscarGroupMean,
     "ott": OTT,
     "turbo": TurboQuant,
+    "turbob": TurboQuantBias,
     "oscarc": OscarCompact,
     "kivi": KiviSinks,  # only with a _sink suffix: plain kivi is the library's
 }
-_NAME = re.compile(r"^(oscarb|oscarm|ott|turbo|oscarc|kivi)(\d+)((?:_[a-z]+\d+)*)$")
+_NAME = re.compile(r"^(oscarb|oscarm|ott|turbob|turbo|oscarc|kivi)(\d+)((?:_[a-z]+\d+)*)$")
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -91,6 +93,6 @@ def bytes_per_token(
 
 __all__ = [
     "OTT", "FAMILIES", "KiviSinks", "MethodConfig", "OscarBias", "OscarCompact",
-    "OscarGroupMean", "TurboQuant", "bytes_per_token", "lloyd_max_gaussian",
+    "OscarGroupMean", "TurboQuant", "TurboQuantBias", "bytes_per_token", "lloyd_max_gaussian",
     "masked_group_fake_quant", "parse_name", "rope_key_offset", "shared_exponent_norms",
 ]  # fmt: skip

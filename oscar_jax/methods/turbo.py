@@ -96,3 +96,28 @@ class TurboQuant(base.MethodConfig):
             "k_codes": self.bits * head_dim / 8, "v_codes": self.bits * head_dim / 8,
             "k_norm": nb, "v_norm": nb,
         })  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboQuantBias(TurboQuant):
+    """``TurboQuant`` on ``k - RoPE_t(b_k)`` (the k-bias offset of ``bias_offset``, zero
+    bytes), values as ``TurboQuant``: the same repair for the other rotating quantizer."""
+
+    needs_key_bias = True
+
+    def fake_quant_kv(
+        self,
+        k: Float[Array, "B H T D"],
+        v: Float[Array, "B H T D"],
+        key_offset: Float[Array, "T H D"] | None = None,
+    ):
+        if key_offset is None:
+            return super().fake_quant_kv(k, v)
+        base.check_kv(k, v, 8, self.group_size)
+        t, h, d = k.shape[2], k.shape[1], k.shape[3]
+        if key_offset.shape != (t, h, d):
+            raise ValueError(f"key_offset.shape={key_offset.shape} must be {(t, h, d)}")
+        off = jnp.swapaxes(key_offset.astype(jnp.float32), 0, 1)[None]  # [1, H, T, D]
+        kh = codebook_fake_quant(k.astype(jnp.float32) - off, self.bits, self.seed,
+                                 self.norm_dtype) + off  # fmt: skip
+        return kh, codebook_fake_quant(v, self.bits, self.seed + 1, self.norm_dtype)
