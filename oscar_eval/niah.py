@@ -132,8 +132,21 @@ def _prefill_decode_hidden(mc: ModelConfig, params, ids, plen, kv, cache_dtype):
         x, _ = layers.block(mc, lp, x, positions, lambda q, k, v: attend(q, k, v, off))
         return x, None
 
-    x, _ = jax.lax.scan(step, layers.embed(params, ids), params["layers"])
-    return x
+    def local_step(x, lp):  # Gemma 3's sliding-window layers: their ring is full precision
+        def local_attend(q, k, v):
+            cd, w = jnp.dtype(cache_dtype or k.dtype), mc.sliding_window
+            o_c = layers.causal_attention(q, k.astype(cd), v.astype(cd), window=w)
+            return jnp.where(decoded, o_c, layers.causal_attention(q, k, v, window=w))
+
+        x, _ = layers.block(mc, lp, x, positions, local_attend, local=True)
+        return x, None
+
+    x = layers.embed(params, ids, mc)
+    if not mc.local_layers:
+        return jax.lax.scan(step, x, params["layers"])[0]
+    kinds = jnp.asarray([mc.is_local(i) for i in range(mc.num_layers)])
+    either = lambda x, a: jax.lax.cond(a[1], local_step, step, x, a[0])  # noqa: E731
+    return jax.lax.scan(either, x, (params["layers"], kinds))[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
