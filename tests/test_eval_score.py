@@ -116,3 +116,15 @@ def test_group_key_error_and_sink_figure(tmp_path):
     attn = np.random.default_rng(0).uniform(size=(3, 4))
     path = eval_tni.plot_tni(attn, ge, str(tmp_path / "tni.png"), "planted")
     assert path is None or (tmp_path / "tni.png").stat().st_size > 1000
+
+
+def test_cli_options_reach_the_settings():
+    from oscar_cli import cli
+
+    args = cli._parser().parse_args(["eval", "--ppl-score", "second_half", "--niah-chat", "off"])
+    args.methods = "bf16"
+    s = cli._settings(args, 2048)
+    assert (s.ppl_score, s.niah_chat) == ("second_half", "off")
+    assert cli._settings(cli._parser().parse_args(["eval"]), 2048).niah_chat == "auto"
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["eval", "--ppl-score", "half"])
