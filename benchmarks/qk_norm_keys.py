@@ -17,8 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
-from models import layers
+from models import fetch, layers
 from models.forward import layer_params
+from oscar_cli.cli import _bundled_text_for
+from oscar_eval.common import make_windows
 
 
 def key_norm_ratios(m, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -48,10 +50,6 @@ def main(argv=None) -> int:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--windows", type=int, default=2)
     a = ap.parse_args(argv)
-    from models import fetch
-    from oscar_cli.cli import _bundled_text_for
-    from oscar_eval.common import make_windows
-
     path = fetch.resolve_model(a.model)
     m = models.from_pretrained(path)
     tokens = _bundled_text_for(m)

@@ -29,46 +29,18 @@ float32 accumulation.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import oscar_jax as oj
+from models import moe
 from models.config import ModelConfig, rope_inv_freq
-
-HIGHEST = jax.lax.Precision.HIGHEST
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Transposed:
-    """A projection weight stored ``[out, in]``: how the per-layer (decoding) form keeps them.
-
-    At batch 1 XLA turns ``x @ W`` into a reduce fusion over W's rows; with ``[in, out]``
-    that reduces the major axis and only the output columns run in parallel, with
-    ``[out, in]`` it reduces the contiguous axis and streams the weights at ~90% of the
-    copy rate on the H200 (BENCHMARKS.md). At batch 48 both run alike (cuBLAS).
-    """
-
-    w: jax.Array  # [out, in]
-
+from models.linear import HIGHEST, Transposed, activation, dense  # noqa: F401 (re-exported)
 
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router")
 EXPERTS = ("we_gate", "we_up", "we_down")  # [E, in, out] per layer (never ``Transposed``)
-
-
-def dense(x, w, b=None):
-    """x [..., in] @ w -> [..., out]: w is [in, out] or ``Transposed`` ([out, in])."""
-    f32 = jnp.float32
-    if isinstance(w, Transposed):
-        y = jnp.einsum("...i,oi->...o", x, w.w, precision=HIGHEST, preferred_element_type=f32)
-    else:
-        y = jnp.einsum("...i,io->...o", x, w, precision=HIGHEST, preferred_element_type=f32)
-    if b is not None:
-        y = y + b.astype(jnp.float32)
-    return y.astype(x.dtype)
 
 
 def rms_norm(x, w, eps: float, offset: float = 0.0):
@@ -123,19 +95,10 @@ def qkv(cfg: ModelConfig, lp, x, positions, local: bool = False):
     return q, apply_rope(k, cos, sin), v
 
 
-def activation(cfg: ModelConfig, g):
-    """The gate's activation (float32 in, float32 out)."""
-    if cfg.hidden_act == "gelu_tanh":
-        return jax.nn.gelu(g, approximate=True)
-    return jax.nn.silu(g)
-
-
 def mlp(lp, x, cfg: ModelConfig | None = None):
     """The gated MLP of x [..., Hd] (SwiGLU; GeGLU with tanh gelu for Gemma), or the
     mixture of experts (``models.moe``) when the config has experts."""
     if cfg is not None and cfg.is_moe:
-        from models import moe
-
         return moe.moe_mlp(cfg, lp, x)
     g = dense(x, lp["w_gate"]).astype(jnp.float32)
     u = dense(x, lp["w_up"]).astype(jnp.float32)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.linear import activation, dense
 
 HIGHEST = jax.lax.Precision.HIGHEST
 IMPLEMENTATIONS = ("auto", "ragged", "gather")
@@ -32,8 +33,6 @@ IMPLEMENTATIONS = ("auto", "ragged", "gather")
 
 def route(cfg: ModelConfig, lp, x):
     """Router of x [N, Hd] -> (weights [N, k] in x's dtype, expert ids [N, k] int32)."""
-    from models.layers import dense
-
     logits = dense(x, lp["router"]).astype(jnp.float32)  # [N, E]
     probs = jax.nn.softmax(logits, axis=-1)
     w, idx = jax.lax.top_k(probs, cfg.num_experts_per_tok)
@@ -44,8 +43,6 @@ def route(cfg: ModelConfig, lp, x):
 
 def _ragged(cfg: ModelConfig, lp, x, w, idx):
     """Experts by ``ragged_dot`` over the pairs sorted by expert: x [N, Hd] -> [N, Hd] f32."""
-    from models.layers import activation
-
     n, k = idx.shape
     flat = idx.reshape(-1)  # [N*k]
     order = jnp.argsort(flat, stable=True)
@@ -63,8 +60,6 @@ def _ragged(cfg: ModelConfig, lp, x, w, idx):
 
 def _gather(cfg: ModelConfig, lp, x, w, idx):
     """Experts by gathering each pair's weights: x [N, Hd] -> [N, Hd] f32."""
-    from models.layers import activation
-
     f32 = jnp.float32
     wg = jnp.take(lp["we_gate"], idx, axis=0)  # [N, k, Hd, Ie]
     wu = jnp.take(lp["we_up"], idx, axis=0)
