@@ -29,6 +29,7 @@ import numpy as np
 
 import oscar_jax as oj
 from pallas_kernels.decode import config as pcfg
+from pallas_kernels.decode import mosaic as mk
 
 HQ, HKV, D = 32, 8, 128
 SHAPES = ((1, 131072), (8, 32768), (48, 4096), (1, 4096))
@@ -106,35 +107,19 @@ def mosaic_call(b, ctx, k, v, knobs):
     an OScaR INT2 cache whose values are stored unrotated, the cache converted to the
     kernel's record layout once, ahead of the timed calls. Returns (fn(q, *operands),
     operands), bytes read (records + norms of the quantized tokens, the ring)."""
-    from oscar_jax import hadamard
-    from oscar_jax.cache import _residual_tokens
-    from pallas_kernels.decode import mosaic as mk
-
     cfg = mk.Int2DecodeConfig(**knobs)
     kcfg = oj.preset("oscar", bits=2, rotate_values=False)
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
     c = jax.jit(oj.prefill)(c, k, v)
+    rec, kn, nq, ring_valid = jax.jit(lambda c: mk.kernel_inputs(c, block_tokens=cfg.block_tokens))(
+        c
+    )
     pdt = jnp.dtype(kcfg.scale_dtype)
-    rec, kn = jax.jit(
-        lambda c: mk.fragment_layout(
-            c.k_codes,
-            c.k_scale,
-            c.k_zero,
-            c.k_norm,
-            c.v_codes,
-            c.v_scale,
-            c.v_zero,
-            param_dtype=pdt,
-            block_tokens=cfg.block_tokens,
-        )  # fmt: skip
-    )(c)
-    nq = c.num_quantized().astype(jnp.int32)
-    _, ring_valid = _residual_tokens(nq, c.lengths, c.slots)
 
     def fn(q, rec, kn, nq, k_res, v_res, ring_valid, cache):
         del cache  # the reference of --check
         qg = q.astype(jnp.float32).reshape(b, HKV, HQ // HKV, D)
-        q_rot = hadamard.rotate(qg, kcfg)
+        q_rot = oj.rotate(qg, kcfg)
         out = mk.int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, k_res, v_res,
                                                ring_valid, cfg=cfg, param_dtype=pdt)  # fmt: skip
         return out.reshape(q.shape).astype(q.dtype)

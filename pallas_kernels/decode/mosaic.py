@@ -978,6 +978,19 @@ def unsupported_reason(cache) -> str | None:
     return None
 
 
+def kernel_inputs(cache, *, block_tokens: int = 256):
+    """What the kernel reads of ``cache``: (rec, kn) in the record layout
+    (``fragment_layout``, exact), nq [B] int32 quantized tokens per row, ring_valid [B, S]
+    bool (the ring slots holding tokens)."""
+    pdt = jnp.dtype(cache.cfg.scale_dtype)
+    rec, kn = fragment_layout(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm,
+                              cache.v_codes, cache.v_scale, cache.v_zero, param_dtype=pdt,
+                              block_tokens=block_tokens)  # fmt: skip
+    nq = cache.num_quantized().astype(jnp.int32)
+    _, ring_valid = _residual_tokens(nq, cache.lengths, cache.slots)
+    return rec, kn, nq, ring_valid
+
+
 def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConfig = None,
                             merge: str = "xla"):  # fmt: skip
     """``oscar_jax.decode_attention`` of q [B, Hq, D] over ``cache`` by the Mosaic kernel.
@@ -1001,13 +1014,9 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
         raise ValueError("merge='mosaic' needs values stored unrotated (rotate_values=False)")
     pdt = jnp.dtype(kcfg.scale_dtype)
     cfg = cfg or Int2DecodeConfig()
-    rec, kn = fragment_layout(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm,
-                              cache.v_codes, cache.v_scale, cache.v_zero, param_dtype=pdt,
-                              block_tokens=cfg.block_tokens)  # fmt: skip
+    rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, D)
     q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
-    nq = cache.num_quantized().astype(jnp.int32)
-    _, ring_valid = _residual_tokens(nq, cache.lengths, cache.slots)
     if merge == "mosaic":
         out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
                                             ring_valid, cfg=cfg, softmax_scale=softmax_scale,
