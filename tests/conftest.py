@@ -17,7 +17,10 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
 
+import models  # noqa: E402
 from oscar_jax import gpu_available  # noqa: E402, F401  (the tests' GPU check)
 
 jax.config.update("jax_enable_x64", False)
@@ -42,3 +45,17 @@ if settings is not None:
         "long", phases=(Phase.explicit, Phase.generate, Phase.shrink), print_blob=True, **_common
     )
     settings.load_profile(os.environ.get("OSCAR_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random Llama with weights large enough for confident, quantization-sensitive logits
+    (the evaluation tests' model)."""
+    cfg = models.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
+    m = models.CausalLM(cfg, rngs=nnx.Rngs(0))
+    p = m.params()
+    p["lm_head"] = p["lm_head"] * 8.0
+    p["layers"] = {k: (v * 6.0 if k.startswith("w") else v) for k, v in p["layers"].items()}
+    m.set_params(p)
+    return m

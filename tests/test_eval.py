@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from helpers import kv_with_sinks
 
 import models
@@ -28,19 +27,6 @@ from oscar_eval.common import (
 
 T = 64  # three flushes of G = 16 with R = 16: the quantized part is well used
 SMALL = dict(residual_length=16, group_size=16)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """A random Llama with weights large enough for confident, quantization-sensitive logits."""
-    cfg = models.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                             num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
-    m = models.CausalLM(cfg, rngs=nnx.Rngs(0))
-    p = m.params()
-    p["lm_head"] = p["lm_head"] * 8.0
-    p["layers"] = {k: (v * 6.0 if k.startswith("w") else v) for k, v in p["layers"].items()}
-    m.set_params(p)
-    return m
 
 
 def _stepwise_logits(m, ids, kv, cache_dtype=None):

@@ -7,28 +7,13 @@ import json
 
 import numpy as np
 import pytest
-from flax import nnx
 
-import models
 import oscar_eval
 from benchmarks import decode_vs_parallel as dvp
 from oscar_eval import ppl as eval_ppl
 from oscar_eval.common import parse_methods
 
 SMALL = dict(residual_length=16, group_size=16)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """A random Llama with weights large enough for quantization-sensitive logits."""
-    cfg = models.ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                             num_heads=4, num_kv_heads=2, head_dim=32)  # fmt: skip
-    m = models.CausalLM(cfg, rngs=nnx.Rngs(0))
-    p = m.params()
-    p["lm_head"] = p["lm_head"] * 8.0
-    p["layers"] = {k: (v * 6.0 if k.startswith("w") else v) for k, v in p["layers"].items()}
-    m.set_params(p)
-    return m
 
 
 def test_score_start():
