@@ -122,14 +122,14 @@ def _prefill_decode_hidden(mc: ModelConfig, params, ids, plen, kv, cache_dtype):
     decoded = (positions >= plen[:, None])[:, :, None, None]  # [B, T, 1, 1]
     plain = oj.preset("bf16")
 
-    def attend(q, k, v, off=None):
-        o_c = eval_ppl.cached_attention(q, k, v, kv, cache_dtype=cache_dtype, key_offset=off)
+    def attend(q, k, v, mi=None):
+        o_c = eval_ppl.cached_attention(q, k, v, kv, cache_dtype=cache_dtype, method_kw=mi)
         o_p = eval_ppl.cached_attention(q, k, v, plain)  # prefill: K/V in the model dtype
         return jnp.where(decoded, o_c, o_p)
 
     def step(x, lp):
-        off = eval_ppl.key_offset(mc, kv, lp, positions)
-        x, _ = layers.block(mc, lp, x, positions, lambda q, k, v: attend(q, k, v, off))
+        mi = eval_ppl.method_inputs(mc, kv, lp, positions)
+        x, _ = layers.block(mc, lp, x, positions, lambda q, k, v: attend(q, k, v, mi))
         return x, None
 
     def local_step(x, lp):  # Gemma 3's sliding-window layers: their ring is full precision
@@ -142,11 +142,12 @@ def _prefill_decode_hidden(mc: ModelConfig, params, ids, plen, kv, cache_dtype):
         return x, None
 
     x = layers.embed(params, ids, mc)
+    lays = eval_ppl.with_method_state(params["layers"], kv)
     if not mc.local_layers:
-        return jax.lax.scan(step, x, params["layers"])[0]
+        return jax.lax.scan(step, x, lays)[0]
     kinds = jnp.asarray([mc.is_local(i) for i in range(mc.num_layers)])
     either = lambda x, a: jax.lax.cond(a[1], local_step, step, x, a[0])  # noqa: E731
-    return jax.lax.scan(either, x, (params["layers"], kinds))[0]
+    return jax.lax.scan(either, x, (lays, kinds))[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))

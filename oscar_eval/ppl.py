@@ -83,13 +83,15 @@ def cached_attention(
     chunk: int = CHUNK,
     cache_dtype=None,
     key_offset: Float[Array, "T Hkv D"] | None = None,
+    method_kw: dict | None = None,
 ) -> Float[Array, "B T Hq D"]:
     """Causal attention in which query t sees the cache as it is when token t is decoded.
 
     q, k (after RoPE) and v as the model hands them to the cache; returns q's dtype.
     ``cache_dtype`` (default k's) is the dtype the cache stores k/v in before encoding.
     A comparison method (``oscar_jax.methods``) quantizes through its own
-    ``fake_quant_kv``, in the original basis; ``key_offset`` is what it is handed.
+    ``fake_quant_kv``, in the original basis; ``key_offset`` and ``method_kw`` (from
+    ``method_inputs``: ``key_offset``, ``rope``, ``state``) are what it is handed.
     """
     b, t, hq, d = q.shape
     h = k.shape[2]
@@ -100,10 +102,15 @@ def cached_attention(
     k_deq = v_deq = None
     q_rot = qg
     if tq and isinstance(kv, oscar_methods.MethodConfig):
+        kw = dict(method_kw or {})
+        if key_offset is not None:
+            kw["key_offset"] = key_offset
+        if kw.get("key_offset") is not None:
+            kw["key_offset"] = kw["key_offset"][:tq]
+        if "rope" in kw:
+            kw["rope"] = tuple(x[:tq] for x in kw["rope"])
         kd, vd = kv.fake_quant_kv(
-            jnp.swapaxes(k, 1, 2)[:, :, :tq],
-            jnp.swapaxes(v, 1, 2)[:, :, :tq],
-            None if key_offset is None else key_offset[:tq],
+            jnp.swapaxes(k, 1, 2)[:, :, :tq], jnp.swapaxes(v, 1, 2)[:, :, :tq], **kw
         )
         pad = ((0, 0), (0, t - tq), (0, 0), (0, 0))
         k_deq, v_deq = (jnp.pad(jnp.swapaxes(x, 1, 2), pad) for x in (kd, vd))
@@ -143,6 +150,31 @@ def key_offset(mc: ModelConfig, kv, lp, positions) -> Array | None:
     return oscar_methods.rope_key_offset(lp["bk"], cos, sin, mc.num_kv_heads)
 
 
+def method_inputs(mc: ModelConfig, kv, lp, positions) -> dict:
+    """What a comparison method's ``fake_quant_kv`` is handed besides k and v, by what
+    it declares: ``key_offset`` (``key_offset``), ``rope`` (cos, sin [T, D] of the
+    positions, for a method that quantizes pre-RoPE keys) and ``state`` (this layer's
+    calibration arrays, scanned with the layers: ``with_method_state``)."""
+    out: dict = {}
+    if not isinstance(kv, oscar_methods.MethodConfig):
+        return out
+    out["key_offset"] = key_offset(mc, kv, lp, positions)
+    if kv.needs_rope:
+        out["rope"] = layers.rope_cos_sin(mc, positions[0])
+    if kv.calibration is not None:
+        out["state"] = lp["method_state"]
+    return out
+
+
+def with_method_state(lays: dict, kv) -> dict:
+    """The stacked layer params with a calibrated method's per-layer arrays added
+    (``method_state``), so that ``lax.scan`` hands each layer its slice."""
+    cal = getattr(kv, "calibration", None)
+    if cal is None:
+        return lays
+    return {**lays, "method_state": {k: jnp.asarray(a) for k, a in cal.arrays.items()}}
+
+
 def forward_cached(
     mc: ModelConfig, params, ids, kv: oj.KVQuantConfig, keep_norms: bool = False, cache_dtype=None
 ):
@@ -158,14 +190,15 @@ def forward_cached(
     x = layers.embed(params, ids, mc)
 
     def step(x, lp):
-        off = key_offset(mc, kv, lp, positions)
+        mi = method_inputs(mc, kv, lp, positions)
         attend = lambda q, k, v: cached_attention(q, k, v, kv, cache_dtype=cache_dtype,  # noqa: E731
-                                                  key_offset=off)  # fmt: skip
+                                                  method_kw=mi)  # fmt: skip
         x, (k, _) = layers.block(mc, lp, x, positions, attend)
         norms = jnp.linalg.norm(k.astype(jnp.float32), axis=-1) if keep_norms else None
         return x, norms
 
-    return _scan_layers(mc, step, x, params["layers"], positions, cache_dtype, keep_norms)
+    lays = with_method_state(params["layers"], kv)
+    return _scan_layers(mc, step, x, lays, positions, cache_dtype, keep_norms)
 
 
 def _scan_layers(mc: ModelConfig, step, x, lays, positions, cache_dtype, keep_norms: bool):

@@ -11,6 +11,14 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
     turbo{b}            random-sign Hadamard + norm + Lloyd-Max codebook (``turbo``)
     turbob{b}           turbo on k - RoPE_t(b_k), as oscarb (``turbo``)
     oscarc{b}           oscarb with 8-bit scales / zeros / norms (proposal A, ``compact``)
+    kvquant{b}          pre-RoPE per-channel keys, per-layer k-means codebook, fp16
+                        dense-and-sparse outliers (``kvquant``; calibrated)
+    oscarp{b}           oscarb under a per-layer PCA-then-Hadamard rotation (B, ``rotation``;
+                        calibrated); oscaro{b}: a random orthogonal one instead
+    oscard{b}_p{P}      oscarb whose full-precision window keeps up to P high-TNI groups,
+                        at R' = R - P G (proposal C, ``dynamic``; default P = 2)
+    turboq{b}           TurboQuant_prod: (b-1)-bit turbo + 1-bit QJL residual for keys,
+                        with the k-bias offset (``turbo``)
 
 each optionally followed by ``_r{R}`` / ``_g{G}`` (residual length, group size).
 ``bytes_per_token(cfg, head_dim)`` accounts every stored part.
@@ -25,10 +33,13 @@ from oscar_jax.methods import base
 from oscar_jax.methods.base import MethodConfig, masked_group_fake_quant
 from oscar_jax.methods.bias_offset import OscarBias, rope_key_offset
 from oscar_jax.methods.compact import OscarCompact, shared_exponent_norms
+from oscar_jax.methods.dynamic import OscarDynamic
 from oscar_jax.methods.group_mean import OscarGroupMean
+from oscar_jax.methods.kvquant import KVQuant
 from oscar_jax.methods.ott import OTT
+from oscar_jax.methods.rotation import OscarRotation
 from oscar_jax.methods.sinks import KiviSinks
-from oscar_jax.methods.turbo import TurboQuant, TurboQuantBias, lloyd_max_gaussian
+from oscar_jax.methods.turbo import TurboQuant, TurboQuantBias, TurboQuantProd, lloyd_max_gaussian
 
 FAMILIES = {
     "oscarb": OscarBias,
@@ -38,8 +49,16 @@ FAMILIES = {
     "turbob": TurboQuantBias,
     "oscarc": OscarCompact,
     "kivi": KiviSinks,  # only with a _sink suffix: plain kivi is the library's
+    "kvquant": KVQuant,
+    "oscarp": OscarRotation,
+    "oscaro": lambda **kw: OscarRotation(rotation="random_orthogonal", **kw),
+    "oscard": OscarDynamic,
+    "turboq": TurboQuantProd,
 }
-_NAME = re.compile(r"^(oscarb|oscarm|ott|turbob|turbo|oscarc|kivi)(\d+)((?:_[a-z]+\d+)*)$")
+_NAME = re.compile(
+    r"^(oscarb|oscarm|ott|turbob|turboq|turbo|oscarc|kivi|kvquant|oscarp|oscaro|oscard)(\d+)"
+    r"((?:_[a-z]+\d+)*)$"
+)
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -57,13 +76,15 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
         return None
     kw: dict = {"bits": bits, "residual_length": sufs.pop("r", residual_length),
                 "group_size": sufs.pop("g", group_size)}  # fmt: skip
-    own = {"kivi": "sink", "ott": "n"}.get(fam)
+    own = {"kivi": "sink", "ott": "n", "oscard": "p"}.get(fam)
     if own is not None and own in sufs:
-        kw["sinks" if fam == "kivi" else "pool"] = sufs.pop(own)
+        kw[{"kivi": "sinks", "ott": "pool", "oscard": "pins"}[fam]] = sufs.pop(own)
+    if fam == "oscard":  # the window's budget is R: R' = R - P G
+        kw["residual_length"] -= kw.setdefault("pins", 2) * kw["group_size"]
     if sufs:
         raise ValueError(
             f"method={name!r}: suffix(es) {sorted(sufs)} must be among r<R>, g<G>"
-            + {"kivi": ", sink<S>", "ott": ", n<N>"}.get(fam, "")
+            + {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>"}.get(fam, "")
             + f" for {fam}"
         )
     try:
@@ -94,5 +115,6 @@ def bytes_per_token(
 __all__ = [
     "OTT", "FAMILIES", "KiviSinks", "MethodConfig", "OscarBias", "OscarCompact",
     "OscarGroupMean", "TurboQuant", "TurboQuantBias", "bytes_per_token", "lloyd_max_gaussian",
+    "KVQuant", "OscarRotation", "OscarDynamic", "TurboQuantProd",
     "masked_group_fake_quant", "parse_name", "rope_key_offset", "shared_exponent_norms",
 ]  # fmt: skip

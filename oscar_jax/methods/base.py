@@ -16,8 +16,10 @@ multiple of G), D head_dim, G key group (tokens).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
@@ -25,6 +27,7 @@ from jaxtyping import Array, Bool, Float
 from oscar_jax import codec, hadamard, quant
 from oscar_jax.config import PARAM_DTYPES, KVQuantConfig, preset
 
+HIGHEST = jax.lax.Precision.HIGHEST
 # bytes of one stored element per dtype name
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 
@@ -32,6 +35,32 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}
 def _int(name: str, val, lo: int) -> None:
     if isinstance(val, bool) or not isinstance(val, int | np.integer) or val < lo:
         raise ValueError(f"{name}={val!r} must be an int >= {lo}")
+
+
+class Calibration:
+    """Per-layer arrays a method fitted offline (numpy float32, leading axis = layer),
+    equal and hashed by content, so that a config holding them stays a static ``jit``
+    argument. The evaluation scans them with the layers and hands each layer's slice to
+    ``fake_quant_kv`` as ``state`` (``oscar_eval.ppl.method_inputs``)."""
+
+    def __init__(self, **arrays):
+        self.arrays = {k: np.ascontiguousarray(np.asarray(a, np.float32))
+                       for k, a in sorted(arrays.items())}  # fmt: skip
+        h = hashlib.sha256()
+        for k, a in self.arrays.items():
+            h.update(f"{k}{a.shape}".encode())
+            h.update(a.tobytes())
+        self.key = h.hexdigest()
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Calibration) and other.key == self.key
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}{list(a.shape)}" for k, a in self.arrays.items())
+        return f"Calibration({shapes}, {self.key[:8]})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +74,7 @@ class MethodConfig:
       param_dtype: dtype of the stored scales / zeros (a name of ``PARAM_DTYPES``).
       norm_dtype: dtype of stored token norms, where the method has any.
       fp_dtype: dtype of the tokens a method keeps in full precision (sinks, outliers).
+      calibration: per-layer arrays fitted by ``fit`` (methods with ``needs_calibration``).
     """
 
     bits: int = 2
@@ -53,12 +83,15 @@ class MethodConfig:
     param_dtype: str = "float16"
     norm_dtype: str = "bfloat16"
     fp_dtype: str = "bfloat16"
+    calibration: Calibration | None = None
 
     # what the evaluation reads from a cache config ---------------------------------
     quantized = True
     rotate_keys = False  # fake_quant_kv returns keys in the original basis
     rotate_values = False  # ... and values too: nothing to fold into W_V / W_O
     needs_key_bias = False  # True: fake_quant_kv wants the RoPE'd k-projection bias
+    needs_rope = False  # True: fake_quant_kv wants rope=(cos, sin) [T, D] of the positions
+    needs_calibration = False  # True: ``fit`` on calibration keys / values before use
 
     def __post_init__(self):
         _int("bits", self.bits, 1)
@@ -104,6 +137,30 @@ class MethodConfig:
         key_offset: Float[Array, "T H D"] | None = None,
     ) -> tuple[Float[Array, "B H T D"], Float[Array, "B H T D"]]:
         raise NotImplementedError
+
+    def fit(
+        self,
+        k: Float[Array, "L N H T D"],
+        v: Float[Array, "L N H T D"],
+        rope: tuple[Array, Array],
+        key_offset: Float[Array, "L T H D"] | None = None,
+    ) -> MethodConfig:
+        """This config with its ``calibration`` fitted on full-precision keys (post-RoPE,
+        as the cache gets them) and values of every layer of N calibration windows;
+        ``rope``: cos, sin [T, D] of their positions; ``key_offset``: the RoPE'd k bias
+        per layer (None without one). Only for methods with ``needs_calibration``."""
+        raise NotImplementedError(f"{self.method} needs no calibration")
+
+    def calibrated_state(self, layer: int | None = None) -> dict:
+        """One layer's calibration arrays (``layer`` may be None for a one-layer fit):
+        what ``fake_quant_kv`` takes as ``state``. ValueError unless fitted."""
+        if self.calibration is None:
+            raise ValueError(f"{self.method} must be fitted first (oscar_eval.calibrate)")
+        arrays = self.calibration.arrays
+        n = len(next(iter(arrays.values())))
+        if layer is None and n != 1:
+            raise ValueError(f"{self.method} was fitted on {n} layers: pass state= one's")
+        return {k: a[0 if layer is None else layer] for k, a in arrays.items()}
 
     def bytes_per_token(self, head_dim: int, context: int = 2048) -> dict[str, float]:
         """Bytes per token per KV head of the quantized part, by component, and ``total``.
@@ -185,11 +242,24 @@ def round_fp(x: Array, dtype: str) -> Array:
     return quant.round_to_dtype(x, dtype)
 
 
+def rope_rotate(
+    x: Float[Array, "B H T D"], cos: Float[Array, "T D"], sin: Float[Array, "T D"],
+    inverse: bool = False,
+) -> Float[Array, "B H T D"]:  # fmt: skip
+    """The rotate-half RoPE of Llama / Qwen at each token's position (``inverse``: back
+    to the pre-RoPE key; the rotation by -angle), float32."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return xf * cos + rot * (-sin if inverse else sin)
+
+
 def oscar_keys_fake_quant(
     k: Float[Array, "B H T D"],
     cfg: KVQuantConfig,
     offset: Float[Array, "B H T D"] | None = None,
     norm_round=None,
+    rotation: Float[Array, "H D D"] | None = None,
 ) -> Float[Array, "B H T D"]:
     """OScaR's key path (rotate, divide by the stored l2 norm, per-channel INT-b over G
     tokens) on ``k - offset``, back in the original basis with ``offset`` added (float32).
@@ -197,18 +267,26 @@ def oscar_keys_fake_quant(
     ``offset`` (broadcastable to k, float32) is what the method stores or knows apart
     from the codes; ``norm_round`` maps the float32 norms [B, H, T] to the values stored
     (default: rounding to ``cfg.norm_dtype``). A zero-norm key comes back as the offset.
+    ``rotation``: one orthogonal matrix per KV head (rows: the rotated channels) used
+    instead of ``cfg``'s rotation.
     """
     x = k.astype(jnp.float32)
     if offset is not None:
         x = x - offset
-    x = hadamard.rotate(x, cfg)
+    if rotation is None:
+        x = hadamard.rotate(x, cfg)
+    else:
+        x = jnp.einsum("hed,bhtd->bhte", rotation, x, precision=HIGHEST)
     n, s = codec.token_norm_and_prescale(x, "per_head")  # [B, H, T]
     n = norm_round(n) if norm_round is not None else quant.round_to_dtype(n, cfg.norm_jnp_dtype)
     r = quant.scaled_reciprocal(n, s)
     u = (x * s[..., None]) * r[..., None]
     codes, scale, zero = quant.quantize_groups(u, cfg.bits, cfg.group_size, 2, cfg.scale_dtype)
     u_hat = quant.dequantize_groups(codes, scale, zero, cfg.group_size, axis=2)
-    out = hadamard.unrotate(u_hat * n[..., None], cfg)
+    if rotation is None:
+        out = hadamard.unrotate(u_hat * n[..., None], cfg)
+    else:
+        out = jnp.einsum("hed,bhte->bhtd", rotation, u_hat * n[..., None], precision=HIGHEST)
     return out if offset is None else out + offset
 
 

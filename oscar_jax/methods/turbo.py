@@ -6,12 +6,21 @@ Keys and values alike, per token and KV head: rotate with a random-sign Hadamard
 codebook of 2^b levels for the standard normal: no scale or zero at all. Dequantized:
 ``n / sqrt(D) * R^T codebook[q]``.
 
-Not implemented: the QJL 1-bit residual (TurboQuant_prod, which makes inner products
-unbiased by spending one of the b bits on a sign sketch of the residual); this is the
-b-bit MSE quantizer, and the codebook is the Gaussian's, not the exact Beta law of a
-coordinate of a uniform point on the sphere (for D >= 64 the two differ by O(1/D)).
+The codebook is the Gaussian's, not the exact Beta law of a coordinate of a uniform
+point on the sphere (for D >= 64 the two differ by O(1/D)).
 
-Bytes per token and KV head: b D / 8 for K codes and for V codes, plus two norms.
+``TurboQuantProd`` (``turboq``) is the paper's inner-product variant for the keys: the
+(b-1)-bit MSE quantizer above, then the QJL 1-bit sketch of the residual
+``r = k - k_mse``: ``sign(S r)`` with S a fixed D x D standard Gaussian matrix, and the
+residual's norm. The paper's unbiased estimator of ``q . r`` is
+``sqrt(pi/2) / D * |r| * (S q) . sign(S r)``, linear in q, so it is exactly
+``q . r_hat`` with ``r_hat = sqrt(pi/2) / D * |r| * S^T sign(S r)``: the fake-quant key
+``k_mse + r_hat`` gives every score the estimator's value (unbiased over S, with
+variance). Values use the b-bit MSE quantizer (outputs are not inner products with a
+query).
+
+Bytes per token and KV head: b D / 8 for K codes and for V codes, plus two norms (a
+third, the residual's, for ``turboq``).
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import dataclasses
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -27,6 +37,8 @@ from jaxtyping import Array, Float
 from oscar_jax import codec, hadamard, quant
 from oscar_jax.config import preset
 from oscar_jax.methods import base
+
+HIGHEST = jax.lax.Precision.HIGHEST
 
 
 @functools.cache
@@ -121,3 +133,61 @@ class TurboQuantBias(TurboQuant):
         kh = codebook_fake_quant(k.astype(jnp.float32) - off, self.bits, self.seed,
                                  self.norm_dtype) + off  # fmt: skip
         return kh, codebook_fake_quant(v, self.bits, self.seed + 1, self.norm_dtype)
+
+
+def qjl_fake_quant(
+    x: Float[Array, "B H T D"], bits: int, seed: int, norm_dtype: str
+) -> Float[Array, "B H T D"]:
+    """TurboQuant_prod: (bits-1)-bit MSE codes plus the QJL sign sketch of the residual,
+    as the key whose dot with any query is the paper's estimator (float32)."""
+    d = x.shape[-1]
+    xf = x.astype(jnp.float32)
+    x_mse = codebook_fake_quant(xf, bits - 1, seed, norm_dtype)
+    r = xf - x_mse
+    rn = quant.round_to_dtype(jnp.linalg.norm(r, axis=-1, keepdims=True), norm_dtype)
+    s = jnp.asarray(qjl_matrix(d, seed), jnp.float32)  # [D, D]
+    sk = jnp.einsum("ed,bhtd->bhte", s, r, precision=HIGHEST)
+    sgn = jnp.where(sk >= 0, 1.0, -1.0)
+    r_hat = math.sqrt(math.pi / 2) / d * rn * jnp.einsum("ed,bhte->bhtd", s, sgn,
+                                                         precision=HIGHEST)  # fmt: skip
+    return x_mse + r_hat
+
+
+@functools.cache
+def qjl_matrix(d: int, seed: int) -> np.ndarray:
+    """The fixed D x D standard Gaussian sketch of ``qjl_fake_quant``."""
+    return np.random.default_rng(1_000_003 + seed).standard_normal((d, d))
+
+
+@dataclasses.dataclass(frozen=True)
+class TurboQuantProd(TurboQuantBias):
+    """Keys: (b-1)-bit MSE + 1-bit QJL residual (TurboQuant_prod); values: b-bit MSE.
+    The k-bias offset of ``bias_offset`` is taken out first when the model has one."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.bits < 2:
+            raise ValueError(f"bits={self.bits} must be >= 2 (one bit goes to the QJL sketch)")
+
+    def fake_quant_kv(
+        self,
+        k: Float[Array, "B H T D"],
+        v: Float[Array, "B H T D"],
+        key_offset: Float[Array, "T H D"] | None = None,
+    ):
+        base.check_kv(k, v, 8, self.group_size)
+        off = 0.0
+        if key_offset is not None:
+            t, h, d = k.shape[2], k.shape[1], k.shape[3]
+            if key_offset.shape != (t, h, d):
+                raise ValueError(f"key_offset.shape={key_offset.shape} must be {(t, h, d)}")
+            off = jnp.swapaxes(key_offset.astype(jnp.float32), 0, 1)[None]
+        kh = qjl_fake_quant(k.astype(jnp.float32) - off, self.bits, self.seed,
+                            self.norm_dtype) + off  # fmt: skip
+        return kh, codebook_fake_quant(v, self.bits, self.seed + 1, self.norm_dtype)
+
+    def bytes_per_token(self, head_dim: int, context: int = 2048) -> dict[str, float]:
+        parts = super().bytes_per_token(head_dim, context)
+        parts.pop("total")
+        parts["k_residual_norm"] = base.DTYPE_BYTES[self.norm_dtype]
+        return base.total(parts)

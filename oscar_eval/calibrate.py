@@ -1,0 +1,80 @@
+"""Offline calibration of the comparison methods that fit per-layer state
+(``MethodConfig.needs_calibration``: KVQuant-style codebooks, the calibrated rotation).
+
+``layer_kv`` runs the model at full precision over calibration windows and returns every
+layer's keys (post-RoPE, as the cache gets them) and values; ``calibrate`` fits each such
+method on them. The evaluation calibrates on the windows of the held-out text that
+follow the scored ones (``calibration_windows``): disjoint from what is scored.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import layers
+from models.config import ModelConfig
+from models.model import CausalLM
+from oscar_eval.common import Method, make_windows
+from oscar_jax import methods as oscar_methods
+
+CALIBRATION_WINDOWS = 2  # windows of the evaluation's ctx, after the scored ones
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _layer_kv_jit(mc: ModelConfig, params, ids):
+    b, t = ids.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+    def step(x, lp):
+        x, (k, v) = layers.block(mc, lp, x, positions, layers.causal_attention)
+        return x, (k.astype(jnp.float32), v.astype(jnp.float32))
+
+    _, (ks, vs) = jax.lax.scan(step, layers.embed(params, ids, mc), params["layers"])
+    return jnp.swapaxes(ks, 2, 3), jnp.swapaxes(vs, 2, 3)  # [L, N, H, T, D]
+
+
+def layer_kv(m: CausalLM, windows) -> tuple[np.ndarray, np.ndarray]:
+    """Keys (post-RoPE) and values [L, N, Hkv, T, D] float32 of every layer, at full
+    precision, over the windows [N, T]. Models with sliding-window layers are refused."""
+    if m.config.local_layers:
+        raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
+    k, v = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)))
+    return np.asarray(k), np.asarray(v)
+
+
+def calibration_windows(heldout, ctx: int, scored: int, bos: int | None) -> np.ndarray:
+    """The ``CALIBRATION_WINDOWS`` windows of ``heldout`` after the first ``scored`` (the
+    evaluation's); ValueError when the text is too short for them."""
+    w = make_windows(heldout, ctx, scored + CALIBRATION_WINDOWS, bos)
+    if len(w) < scored + CALIBRATION_WINDOWS:
+        raise ValueError(f"held-out text has {len(w)} windows of {ctx}: calibration needs "
+                         f"{CALIBRATION_WINDOWS} beyond the {scored} scored")  # fmt: skip
+    return w[scored:]
+
+
+def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
+    """The methods, each that ``needs_calibration`` fitted on ``windows`` (the others as
+    they are); the model runs once, only when some method needs it."""
+    if not any(getattr(mt.kv, "needs_calibration", False) for mt in methods):
+        return list(methods)
+    mc = m.config
+    k, v = layer_kv(m, windows)
+    t = k.shape[3]
+    cos, sin = layers.rope_cos_sin(mc, jnp.arange(t, dtype=jnp.int32))
+    off = None
+    bk = m.params()["layers"].get("bk")
+    if bk is not None and not mc.qk_norm:
+        off = np.stack(
+            [np.asarray(oscar_methods.rope_key_offset(b, cos, sin, mc.num_kv_heads)) for b in bk]
+        )  # fmt: skip  [L, T, H, D]
+    out = []
+    for mt in methods:
+        if getattr(mt.kv, "needs_calibration", False):
+            o = off if mt.kv.needs_key_bias else None
+            mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o))
+        out.append(mt)
+    return out

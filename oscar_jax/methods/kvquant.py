@@ -1,0 +1,180 @@
+"""KVQuant-style quantization (Hooper et al., arXiv 2401.18079), fake-quant.
+
+- **Pre-RoPE keys**: the key is rotated back to its pre-RoPE form (the evaluation hands
+  the positions' cos / sin), quantized, and RoPE is applied to the dequantized key. The
+  quantizer never sees RoPE's turning of a channel pair (a k bias is a constant per
+  channel before RoPE: the zero point takes it).
+- **Per-channel keys, per-token values**: keys per channel over groups of G tokens (one
+  fp16 scale and zero per channel per group), values per token over Gv = min(G, D)
+  channels (KIVI's layout, so that bytes compare).
+- **Non-uniform codebook** (``nuq``): each group is normalised to [0, 1] by its min and
+  max, and every entry is rounded to the nearest of 2^b levels, one codebook per layer
+  for keys and one for values, fitted by k-means (Lloyd) on the normalised entries of
+  calibration windows (``fit``). KVQuant weights k-means by Fisher information; this is
+  plain (unweighted) k-means.
+- **Dense-and-sparse outliers**: per vector, the entries furthest from their group's
+  mean (in units of the group's standard deviation) are kept in fp16 with their index,
+  left out of the min / max: ``k_outliers`` per key group of G x D entries (default 20
+  of 2,048, ~1%), ``v_outliers`` per value token (default 1 of 64 at D = 64). KVQuant
+  sets per-channel thresholds offline for keys and per-token online for values; a fixed
+  count per vector makes the bytes exact.
+
+Not built: attention-sink-aware (first token fp16) and Q-Norm of the later versions.
+
+Bytes per token and KV head at D = 64, G = 32, INT2: 16 + 16 codes, 8 + 8 fp16 scales
+and zeros, keys' outliers 20 x (2 value + 2 index) / 32 = 2.5, values' 1 x (2 + 1) = 3:
+53.5. The codebooks are model constants (per layer, 2 x 2^b values), not cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float
+
+from oscar_jax import quant
+from oscar_jax.methods import base
+
+
+def outlier_mask(x: Float[Array, "... N M"], count: int, axis: int) -> Bool[Array, "... N M"]:
+    """The ``count`` entries of each [N, M] block furthest from their group's mean in
+    group standard deviations (the groups run along ``axis``, -1 or -2)."""
+    if count == 0:
+        return jnp.zeros(x.shape, bool)
+    mu = jnp.mean(x, axis=axis, keepdims=True)
+    sd = jnp.std(x, axis=axis, keepdims=True)
+    z = jnp.abs(x - mu) / jnp.where(sd > 0, sd, 1.0)
+    flat = z.reshape(*z.shape[:-2], -1)
+    rank = jnp.argsort(jnp.argsort(-flat, axis=-1, stable=True), axis=-1, stable=True)
+    return (rank < count).reshape(x.shape)
+
+
+def normalise(
+    x: Float[Array, "... N M"], out: Bool[Array, "... N M"], axis: int, param_dtype: str
+) -> tuple[Array, Array, Array]:
+    """(u in [0, 1], scale, zero): each group (along ``axis``) mapped to [0, 1] by the
+    min and max of its non-outlier entries, scale = max - min and zero = min stored in
+    ``param_dtype`` (float32 outputs; scale 0 for a constant or all-outlier group)."""
+    mn = jnp.min(jnp.where(out, jnp.inf, x), axis=axis, keepdims=True)
+    mx = jnp.max(jnp.where(out, -jnp.inf, x), axis=axis, keepdims=True)
+    empty = ~jnp.isfinite(mn)
+    mn, mx = jnp.where(empty, 0.0, mn), jnp.where(empty, 0.0, mx)
+    s = quant.round_to_dtype(mx - mn, param_dtype)
+    z = quant.round_to_dtype(mn, param_dtype)
+    u = jnp.clip((x - z) / jnp.where(s > 0, s, 1.0), 0.0, 1.0)
+    return u, s, z
+
+
+def codebook_round(u: Array, levels: Float[Array, " L"]) -> Array:
+    """Each entry of ``u`` replaced by the nearest of ``levels``."""
+    return levels[jnp.argmin(jnp.abs(u[..., None] - levels), axis=-1)]
+
+
+def lloyd(samples: np.ndarray, n: int, iters: int = 60) -> np.ndarray:
+    """k-means (Lloyd) in 1-D: ``n`` ascending levels (float64) minimising the squared
+    error of rounding ``samples`` to the nearest; initialised at the quantiles."""
+    x = np.sort(np.asarray(samples, np.float64).ravel())
+    if x.size < n:
+        raise ValueError(f"{x.size} samples cannot fit {n} levels")
+    lv = np.quantile(x, (np.arange(n) + 0.5) / n)
+    for _ in range(iters):
+        edges = np.searchsorted(x, (lv[:-1] + lv[1:]) / 2)
+        parts = np.split(x, edges)
+        lv = np.asarray([p.mean() if p.size else lv[i] for i, p in enumerate(parts)])
+    return np.sort(lv)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVQuant(base.MethodConfig):
+    """Pre-RoPE per-channel keys, per-token values, per-layer k-means codebooks,
+    ``k_outliers`` / ``v_outliers`` fp16 outliers per key group / value token."""
+
+    k_outliers: int = 20
+    v_outliers: int = 1
+    outlier_dtype: str = "float16"
+
+    needs_rope = True
+    needs_calibration = True
+
+    def __post_init__(self):
+        super().__post_init__()
+        base._int("k_outliers", self.k_outliers, 0)
+        base._int("v_outliers", self.v_outliers, 0)
+
+    def _keys(self, kp: Float[Array, "B H T D"], levels=None):
+        """(u, out, x_hat) of pre-RoPE keys: normalised entries, outlier mask, and the
+        dequantized keys (when ``levels`` is given), [B, H, T, D]."""
+        b, h, t, d = kp.shape
+        g = self.group_size
+        xg = kp.reshape(b, h, t // g, g, d)
+        if self.k_outliers >= g * d:
+            raise ValueError(f"k_outliers={self.k_outliers} must be < G x D = {g * d}")
+        out = outlier_mask(xg, self.k_outliers, axis=-2)
+        return self._dense(xg, out, -2, levels, (b, h, t, d))
+
+    def _values(self, v: Float[Array, "B H T D"], levels=None):
+        b, h, t, d = v.shape
+        gv = min(self.group_size, d)
+        if self.v_outliers >= d:
+            raise ValueError(f"v_outliers={self.v_outliers} must be < head_dim={d}")
+        out = outlier_mask(v[..., None, :], self.v_outliers, axis=-1)[..., 0, :]
+        xg, og = v.reshape(b, h, t, d // gv, gv), out.reshape(b, h, t, d // gv, gv)
+        return self._dense(xg, og, -1, levels, (b, h, t, d))
+
+    def _dense(self, xg, out, axis, levels, shape):
+        u, s, z = normalise(xg, out, axis, self.param_dtype)
+        xh = None
+        if levels is not None:
+            xh = codebook_round(u, levels) * s + z
+            xh = jnp.where(out, quant.round_to_dtype(xg, self.outlier_dtype), xh)
+            xh = xh.reshape(shape)
+        return u.reshape(shape), out.reshape(shape), xh
+
+    def fake_quant_kv(
+        self,
+        k: Float[Array, "B H T D"],
+        v: Float[Array, "B H T D"],
+        key_offset: Float[Array, "T H D"] | None = None,
+        *,
+        rope: tuple[Float[Array, "T D"], Float[Array, "T D"]] | None = None,
+        state: dict | None = None,
+    ):
+        base.check_kv(k, v, 2, self.group_size)
+        if rope is None:
+            raise ValueError("KVQuant quantizes pre-RoPE keys: it needs rope=(cos, sin)")
+        st = self.calibrated_state() if state is None else state
+        cos, sin = rope
+        kp = base.rope_rotate(k, cos, sin, inverse=True)
+        _, _, kph = self._keys(kp, jnp.asarray(st["k_levels"], jnp.float32))
+        _, _, vh = self._values(v.astype(jnp.float32), jnp.asarray(st["v_levels"], jnp.float32))
+        return base.rope_rotate(kph, cos, sin), vh
+
+    def fit(self, k, v, rope, key_offset=None) -> KVQuant:
+        """Per-layer codebooks (``k_levels``, ``v_levels`` [L, 2^b]) by k-means on the
+        normalised non-outlier entries of the calibration keys (pre-RoPE) and values."""
+        cos, sin = (jnp.asarray(x, jnp.float32) for x in rope)
+        n = 1 << self.bits
+        rng = np.random.default_rng(0)
+        kl, vl = [], []
+        for kk, vv in zip(np.asarray(k), np.asarray(v), strict=True):  # one layer [N, H, T, D]
+            t = kk.shape[2] - kk.shape[2] % self.group_size
+            kp = base.rope_rotate(jnp.asarray(kk[:, :, :t]), cos[:t], sin[:t], inverse=True)
+            for x, fn, acc in ((kp, self._keys, kl), (jnp.asarray(vv[:, :, :t]), self._values, vl)):
+                u, out, _ = fn(x)
+                s = np.asarray(u)[~np.asarray(out)]
+                s = rng.choice(s, min(s.size, 200_000), replace=False)
+                acc.append(lloyd(s, n))
+        return self.replace(calibration=base.Calibration(k_levels=np.stack(kl),
+                                                         v_levels=np.stack(vl)))  # fmt: skip
+
+    def bytes_per_token(self, head_dim: int, context: int = 2048) -> dict[str, float]:
+        parts = base.kivi_bytes(self.bits, head_dim, self.group_size,
+                                base.DTYPE_BYTES[self.param_dtype])  # fmt: skip
+        ob = base.DTYPE_BYTES[self.outlier_dtype]
+        k_index = 1 if self.group_size * head_dim <= 256 else 2
+        v_index = 1 if head_dim <= 256 else 2
+        parts["k_outliers"] = self.k_outliers * (ob + k_index) / self.group_size
+        parts["v_outliers"] = self.v_outliers * (ob + v_index)
+        return base.total(parts)
