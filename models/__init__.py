@@ -59,8 +59,12 @@ from models.loading import from_pretrained, load_config
 from models.memory import (
     abstract_cache,
     abstract_caches,
+    abstract_decode_caches,
     abstract_nbytes,
+    abstract_window,
+    cache_nbytes,
     format_table,
+    max_batch,
     memory_table,
     param_nbytes,
 )
@@ -71,7 +75,8 @@ from models.window import WindowCache
 from oscar_jax.backends import Backends
 
 __all__ = [
-    "abstract_cache", "abstract_caches", "abstract_model", "abstract_nbytes", "Backends",
+    "abstract_cache", "abstract_caches", "abstract_decode_caches", "abstract_model",
+    "abstract_nbytes", "abstract_window", "Backends", "cache_nbytes", "max_batch",
     "bucket_length", "CausalLM", "check_mesh", "decode_forward", "decode_step",
     "decode_step_hlo", "DecodeState", "describe_stops", "first_state", "fold_value_rotation",
     "KeyBiasWarning",

@@ -1,4 +1,10 @@
-"""KV-cache memory of full-size models from shapes only (``jax.eval_shape``: nothing allocated)."""
+"""KV-cache memory of full-size models from shapes only (``jax.eval_shape``: nothing allocated).
+
+Decoding holds one cache per layer (``models.prefill``): the OScaR ``KVCache`` on the
+global layers, and on Gemma 3's sliding-window layers a full-precision ring of
+``min(sliding_window, max_len)`` slots (``models.window``: per row ring x Hkv x D x 2 x
+dtype bytes). ``abstract_decode_caches`` / ``cache_nbytes`` / ``max_batch`` count both.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import numpy as np
 from flax import nnx
 
 import oscar_jax as oj
+from models import window as mwin
 from models.config import ModelConfig, llama31_8b, qwen3_8b
 from models.model import abstract_model
 
@@ -23,9 +30,60 @@ def abstract_cache(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_le
     ))  # fmt: skip
 
 
+def abstract_window(cfg: ModelConfig, *, batch: int, max_len: int, dtype=jnp.bfloat16):
+    """One sliding-window layer's ring (``models.window.WindowCache``) as ShapeDtypeStructs."""
+    if not cfg.local_layers:
+        raise ValueError(
+            f"local_layers={cfg.local_layers}: the config has no sliding-window layers"
+        )
+    size = mwin.ring_size(cfg.sliding_window, max_len)
+    return jax.eval_shape(
+        lambda: mwin.init(batch, cfg.num_kv_heads, cfg.head_dim, size, jnp.dtype(dtype))
+    )
+
+
+def abstract_decode_caches(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
+                           dtype=jnp.bfloat16) -> tuple:  # fmt: skip
+    """The per-layer caches decoding holds (tuple of L) as ShapeDtypeStructs: a ``KVCache``
+    per global layer, a ``WindowCache`` ring per sliding-window layer."""
+    one = abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
+    ring = None
+    if cfg.local_layers:
+        ring = abstract_window(cfg, batch=batch, max_len=max_len, dtype=dtype)
+    return tuple(ring if cfg.is_local(i) else one for i in range(cfg.num_layers))
+
+
+def cache_nbytes(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
+                 dtype=jnp.bfloat16) -> int:  # fmt: skip
+    """Bytes of all the layers' caches (rings included) at ``batch`` x ``max_len``."""
+    return abstract_nbytes(abstract_decode_caches(cfg, kv, batch=batch, max_len=max_len,
+                                                  dtype=dtype))  # fmt: skip
+
+
+def max_batch(cfg: ModelConfig, kv: oj.KVQuantConfig, budget_bytes: int, *, max_len: int,
+              dtype=jnp.bfloat16, multiple: int = 1) -> int:  # fmt: skip
+    """The largest batch (a multiple of ``multiple``; 0 if none) whose caches (``cache_nbytes``:
+    every array is per row) fit in ``budget_bytes``; weights and temporaries are the caller's."""
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int | float | np.number) \
+            or not budget_bytes >= 0:  # fmt: skip
+        raise ValueError(f"budget_bytes={budget_bytes!r} must be a number >= 0")
+    if isinstance(multiple, bool) or not isinstance(multiple, int | np.integer) or multiple < 1:
+        raise ValueError(f"multiple={multiple!r} must be a positive int")
+    row = cache_nbytes(cfg, kv, batch=1, max_len=max_len, dtype=dtype)
+    return int(budget_bytes // row) // multiple * multiple
+
+
 def abstract_caches(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
                     dtype=jnp.bfloat16):  # fmt: skip
-    """The model's caches stacked on a layer axis [L, ...] as ShapeDtypeStructs (byte counts)."""
+    """The model's caches stacked on a layer axis [L, ...] as ShapeDtypeStructs (byte counts).
+
+    Only for models whose layers all hold a ``KVCache``: with sliding-window layers
+    (Gemma 3) there is no such stack; ``abstract_decode_caches`` / ``cache_nbytes``."""
+    if cfg.local_layers:
+        raise ValueError(
+            f"local_layers={cfg.local_layers}: the sliding-window layers hold rings, not "
+            "KVCaches; use abstract_decode_caches or cache_nbytes"
+        )
     one = abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
     L = cfg.num_layers
     return jax.tree_util.tree_map(lambda s: jax.ShapeDtypeStruct((L, *s.shape), s.dtype), one)
@@ -42,14 +100,13 @@ def param_nbytes(cfg: ModelConfig, dtype=jnp.bfloat16) -> int:
 
 
 def memory_table(configs: dict[str, ModelConfig], contexts=(32768, 131072), batch: int = 1):
-    """Rows (model, context, bf16 bytes, int2 bytes, ratio) of KV-cache capacity per sequence."""
+    """Rows (model, context, bf16 bytes, int2 bytes, ratio) of KV-cache capacity per sequence
+    (Gemma 3: its rings, the same in both columns, included)."""
     rows = []
     for name, cfg in configs.items():
         for ctx in contexts:
-            bf = abstract_nbytes(abstract_caches(cfg, oj.preset("bf16"), batch=batch, max_len=ctx))
-            q = abstract_nbytes(
-                abstract_caches(cfg, oj.preset("oscar", bits=2), batch=batch, max_len=ctx)
-            )
+            bf = cache_nbytes(cfg, oj.preset("bf16"), batch=batch, max_len=ctx)
+            q = cache_nbytes(cfg, oj.preset("oscar", bits=2), batch=batch, max_len=ctx)
             rows.append((name, ctx, bf, q, bf / q))
     return rows
 
