@@ -95,6 +95,7 @@ def _next(st: Static, logits, key, s: stopping.StopState, flags, temperature, to
     return stopping.advance(tok, flags, logits, s, pad_id=st.pad_id, stop_tokens=st.stop_tokens)
 
 
+@oj.persistence.register_node  # oj.save_state(path, state) / oj.load_state(path): resumable
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:

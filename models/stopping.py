@@ -35,6 +35,7 @@ FLAG_STOP = (
 )
 
 
+@oj.persistence.register_node  # saved with a DecodeState
 class StopState(NamedTuple):
     """Per-row stop state [B] each: stopped, why (STOP_*), tokens emitted before the pads."""
 

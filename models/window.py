@@ -24,9 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax import persistence
+
 HIGHEST = jax.lax.Precision.HIGHEST
 
 
+@persistence.register_node  # oscar_jax.save_state / load_state handle rings
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class WindowCache:

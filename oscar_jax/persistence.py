@@ -18,8 +18,10 @@ Why safetensors rather than Orbax or ``np.savez``/pickle:
   carry of a few MiB-GiB saved from one process).
 * **A header we control**: ``__metadata__`` (string -> string) holds the static part
   of the state that is not an array: the format name and ``version``, the pytree
-  structure (``tree``: dicts, lists, tuples, None, typed PRNG keys and ``KVCache``
-  nodes with their ``KVQuantConfig`` fields and ``max_len``), each array's
+  structure (``tree``: dicts, lists, tuples, None, typed PRNG keys, ``KVCache``
+  nodes with their ``KVQuantConfig`` fields and ``max_len``, and nodes of classes
+  registered with ``register_node``, e.g. ``models``' sliding-window rings and
+  decode state), each array's
   ``PartitionSpec`` when it was sharded, and a ``sha256`` of the data section.
 
 Loading validates everything before any array is built (header JSON, format and
@@ -53,7 +55,8 @@ from oscar_jax.cache import KVCache
 from oscar_jax.config import KVQuantConfig
 
 FORMAT = "oscar_jax.persistence"
-VERSION = 1
+VERSION = 2  # 2: registered nodes (register_node); a file without them is written as 1
+_READS = ("1", "2")
 
 _DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
@@ -66,6 +69,26 @@ _DTYPES = {
 _CODES = {v: k for k, v in _DTYPES.items()}
 _KV_FIELDS = [f.name for f in dataclasses.fields(KVCache) if f.name not in ("cfg", "max_len")]
 _MAX_HEADER = 100 * 1024 * 1024
+_NODES: dict[str, tuple[type, tuple[str, ...]]] = {}  # name -> (class, field names)
+_BY_CLASS: dict[type, str] = {}
+
+
+def register_node(cls: type, name: str | None = None) -> type:
+    """Let ``save`` / ``load`` handle ``cls`` (a dataclass or NamedTuple whose fields are all
+    savable: arrays, caches, pytrees) as a node named ``name`` (default: the class name).
+    ``load`` builds only registered classes: import the registering module first."""
+    if dataclasses.is_dataclass(cls):
+        fields = tuple(f.name for f in dataclasses.fields(cls))
+    elif isinstance(cls, type) and issubclass(cls, tuple) and hasattr(cls, "_fields"):
+        fields = tuple(cls._fields)
+    else:
+        raise ValueError(f"cls={cls!r} must be a dataclass or NamedTuple class")
+    name = cls.__name__ if name is None else name
+    if not isinstance(name, str) or name == "KVCache" or _NODES.get(name, (cls,))[0] is not cls:
+        raise ValueError(f"name={name!r} must be a str naming no other node type")
+    _NODES[name] = (cls, fields)
+    _BY_CLASS[cls] = name
+    return cls
 
 
 def _spec_json(x) -> list | None:
@@ -84,6 +107,9 @@ def _encode(node, arrays: list, specs: dict):
             "max_len": int(node.max_len),
             "fields": {f: _encode(getattr(node, f), arrays, specs) for f in _KV_FIELDS},
         }
+    if (reg := _BY_CLASS.get(type(node))) is not None:
+        fields = {f: _encode(getattr(node, f), arrays, specs) for f in _NODES[reg][1]}
+        return {"type": "node", "name": reg, "fields": fields}
     if node is None:
         return {"type": "none"}
     if isinstance(node, dict):
@@ -108,8 +134,16 @@ def _encode(node, arrays: list, specs: dict):
         return {"type": "array", "name": name}
     raise ValueError(
         f"cannot save a {type(node).__name__}: supported are arrays, typed PRNG keys, "
-        "KVCache, dict (str keys), list, tuple and None"
+        "KVCache, classes registered with register_node, dict (str keys), list, tuple and None"
     )
+
+
+def _uses_nodes(structure) -> bool:
+    if isinstance(structure, dict):
+        return structure.get("type") == "node" or any(_uses_nodes(v) for v in structure.values())
+    if isinstance(structure, list):
+        return any(_uses_nodes(v) for v in structure)
+    return False
 
 
 def save(path, tree) -> str:
@@ -134,7 +168,7 @@ def save(path, tree) -> str:
         blobs.append(raw)
     header["__metadata__"] = {
         "format": FORMAT,
-        "version": str(VERSION),
+        "version": str(VERSION if _uses_nodes(structure) else 1),  # older readers read v1
         "tree": json.dumps(structure, separators=(",", ":")),
         "partition_specs": json.dumps(specs, separators=(",", ":")),
         "sha256": h.hexdigest(),
@@ -183,8 +217,8 @@ def _read(path) -> tuple[dict, dict, memoryview]:
         raise _fail(path, f"header is not a valid {FORMAT} JSON header ({e})") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _fail(path, f"not a {FORMAT} file (metadata format={meta.get('format')!r})")
-    if meta.get("version") != str(VERSION):
-        raise _fail(path, f"format version {meta.get('version')!r}, this reader knows {VERSION}")
+    if meta.get("version") not in _READS:
+        raise _fail(path, f"format version {meta.get('version')!r}, this reader knows {_READS}")
     data = memoryview(blob)[8 + n :]
     want = int(meta.get("data_bytes", -1))
     if len(data) != want:
@@ -238,6 +272,16 @@ def _decode(node, path, header, data, take, mesh):
             raise _fail(path, f"bad KVQuantConfig in the header: {e}") from e
         fields = {f: rec(node["fields"][f]) for f in _KV_FIELDS}
         return KVCache(**fields, cfg=cfg, max_len=int(node["max_len"]))
+    if t == "node":
+        name = node.get("name")
+        if name not in _NODES:
+            raise _fail(path, f"node type {name!r} is not registered (register_node; for "
+                              "models' WindowCache / DecodeState: import models)")  # fmt: skip
+        cls, want = _NODES[name]
+        saved = tuple(node.get("fields") or {})
+        if saved != want:
+            raise _fail(path, f"{name} fields {saved} differ from this version's {want}")
+        return cls(**{f: rec(node["fields"][f]) for f in want})
     raise _fail(path, f"unknown tree node {str(node)[:200]}")
 
 
