@@ -84,7 +84,7 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True):
         live[..., None], -1.5 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)), 0
     )
     c = dict(
-        k_codes=K._pack_planar(kc), v_codes=K._pack_planar(vc),
+        k_codes=K.pack_planar(kc), v_codes=K.pack_planar(vc),
         k_scale=k_scale.astype(pdt), k_zero=k_zero.astype(pdt), k_norm=norm.astype(jnp.float32),
         v_scale=v_scale.astype(pdt), v_zero=v_zero.astype(pdt),
     )  # fmt: skip

@@ -79,13 +79,20 @@ import numpy as np
 from oscar_jax import attention as att
 from oscar_jax import hadamard
 from oscar_jax.cache import _residual_tokens
+from oscar_jax.record import (  # noqa: F401 (re-exported: the layout's public names)
+    OFFSETS,
+    TILE,
+    WORDS,
+    D,
+    G,
+    fragment_layout,
+    fragment_layout_inverse,
+    pack_planar,
+    unpack_planar,
+)
 
-D = 128  # head_dim covered
-G = 32  # group size (key tokens per group, value channels per group)
-TILE = 64  # tokens per wgmma M tile = tokens per record
 NPAD = 16  # GQA query heads padded to the wgmma N (16-bit B operands need N >= 16)
-WORDS = 1600  # uint32 words per record
-_KC, _VC, _KP, _VP = 0, 512, 1024, 1280
+_KC, _VC, _KP, _VP = OFFSETS
 LOG2E = 1.4426950408889634
 
 
@@ -167,158 +174,6 @@ class Int2DecodeConfig:
         cost = {s: -(-(b * h * s) // slots) / s for s in range(1, min(nblk, 64) + 1)}
         best = min(cost.values())
         return min(s for s, c in cost.items() if c <= 1.05 * best)
-
-
-# ----------------------------------------------------------------------------------
-# Layout: index tables (numpy, built once) and the exact permutation planar <-> record
-# ----------------------------------------------------------------------------------
-def _code_tables():
-    """For every (word, bit slot) of the 1024 code words of a record: the (token, channel)
-    of its K code (words 0..511) and V code (words 512..1023). Returns int arrays
-    [512, 16] of token and channel for K and V (slot s = 2-bit field s: bits 2s..2s+1,
-    s = p + 8 e)."""
-    kt = np.zeros((512, 16), np.int64)
-    kc = np.zeros((512, 16), np.int64)
-    vt = np.zeros((512, 16), np.int64)
-    vch = np.zeros((512, 16), np.int64)
-    for tid in range(128):
-        w, l = divmod(tid, 32)
-        j = l % 4
-        for cb in range(16):
-            for rh in range(2):
-                for e in range(2):
-                    word = 4 * tid + cb // 4
-                    slot = 2 * (cb % 4) + rh + 8 * e
-                    kt[word, slot] = 16 * w + l // 4 + 8 * rh
-                    kc[word, slot] = 8 * cb + 2 * j + e
-        for mt in range(2):
-            for cb in range(8):
-                for rh in range(2):
-                    for e in range(2):
-                        word = 4 * tid + 2 * mt + cb // 4
-                        slot = 2 * (cb % 4) + rh + 8 * e
-                        vch[word, slot] = 64 * mt + 16 * w + l // 4 + 8 * rh
-                        vt[word, slot] = 8 * cb + 2 * j + e
-    return kt, kc, vt, vch
-
-
-_KT, _KCH, _VT, _VCH = _code_tables()
-# key params: position -> channel (positions 32 j + 2 cb + e)
-_KP_CH = np.array([8 * cb + 2 * j + e for j in range(4) for cb in range(16) for e in range(2)])
-# value params: position within a 32-token chunk -> token offset
-_VP_TOK = np.array(
-    [16 * kk + 2 * j + (0, 1, 8, 9)[e] for j in range(4) for kk in range(2) for e in range(4)]
-)
-
-
-def _unpack_planar(packed, bits=2):
-    """planar [.., n*b/8] uint8 -> codes [.., n] uint8 (byte j holds code j + i P in bits i b)."""
-    c = 8 // bits
-    planes = [(packed >> np.uint8(i * bits)) & np.uint8((1 << bits) - 1) for i in range(c)]
-    return jnp.concatenate(planes, axis=-1)
-
-
-def _pack_planar(codes, bits=2):
-    c = 8 // bits
-    p = codes.shape[-1] // c
-    out = jnp.zeros(codes.shape[:-1] + (p,), jnp.uint8)
-    for i in range(c):
-        out = out | (codes[..., i * p : (i + 1) * p].astype(jnp.uint8) << np.uint8(i * bits))
-    return out
-
-
-def _bits16(x, dtype):
-    return jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16).astype(jnp.uint32)
-
-
-def _pair_words(x16):
-    """[.., 2n] uint32 holding 16-bit patterns -> [.., n] words (element 2i low half)."""
-    return x16[..., 0::2] | (x16[..., 1::2] << 16)
-
-
-def fragment_layout(k_codes, k_scale, k_zero, k_norm, v_codes, v_scale, v_zero, *,
-                    param_dtype=jnp.float16, block_tokens=256):  # fmt: skip
-    """Planar cache arrays -> (rec [B, H, Lp/64, 1600] uint32, kn [B, H, Lp] float32).
-
-    k_codes, v_codes [B, H, Lq, 32] uint8 (INT2 planar, head_dim 128);
-    k_scale, k_zero [B, H, Lq/32, 128]; k_norm [B, H or 1, Lq]; v_scale, v_zero [B, H, Lq, 4].
-    Lp = Lq rounded up to block_tokens (zero records past Lq). Parameters are stored as
-    ``param_dtype`` (exact when they already are of that dtype).
-    """
-    b, h, lq, pb = k_codes.shape
-    assert pb == D // 4 and lq % G == 0, (k_codes.shape,)
-    lp = -(-lq // block_tokens) * block_tokens
-    pad = lp - lq
-    n = lp // TILE
-
-    def padt(x, axis, amount):
-        cfgp = [(0, 0)] * x.ndim
-        cfgp[axis] = (0, amount)
-        return jnp.pad(x, cfgp)
-
-    kq = padt(_unpack_planar(k_codes), 2, pad).reshape(b, h, n, TILE, D).astype(jnp.uint32)
-    vq = padt(_unpack_planar(v_codes), 2, pad).reshape(b, h, n, TILE, D).astype(jnp.uint32)
-    kw = kq[:, :, :, _KT, _KCH]  # [b, h, n, 512, 16]
-    vw = vq[:, :, :, _VT, _VCH]
-    shifts = (2 * np.arange(16)).astype(np.uint32)
-    kwords = _or_reduce(kw << shifts)
-    vwords = _or_reduce(vw << shifts)
-    # key params [b, h, n, 2 groups, 2 (s, z), 128 positions]
-    ks = padt(k_scale, 2, pad // G).reshape(b, h, n, 2, D)
-    kz = padt(k_zero, 2, pad // G).reshape(b, h, n, 2, D)
-    kp = jnp.stack(
-        [_bits16(ks[..., _KP_CH], param_dtype), _bits16(kz[..., _KP_CH], param_dtype)], 4
-    )
-    kp = _pair_words(kp).reshape(b, h, n, 256)
-    # value params [b, h, n, 2 chunks, 2 (s, z), 4 groups, 32 positions]
-    vs = padt(v_scale, 2, pad).reshape(b, h, n, 2, 32, D // G)
-    vz = padt(v_zero, 2, pad).reshape(b, h, n, 2, 32, D // G)
-    vs = jnp.swapaxes(vs[:, :, :, :, _VP_TOK, :], -1, -2)  # [b, h, n, 2, 4, 32]
-    vz = jnp.swapaxes(vz[:, :, :, :, _VP_TOK, :], -1, -2)
-    vp = jnp.stack([_bits16(vs, param_dtype), _bits16(vz, param_dtype)], 4)
-    vp = _pair_words(vp).reshape(b, h, n, 256)
-    rec = jnp.concatenate([kwords, vwords, kp, vp, jnp.zeros((b, h, n, 64), jnp.uint32)], -1)
-    kn = jnp.broadcast_to(k_norm.astype(jnp.float32), (b, h, lq))
-    kn = padt(kn, 2, pad)
-    return rec, kn
-
-
-def _or_reduce(x):
-    out = x[..., 0]
-    for i in range(1, x.shape[-1]):
-        out = out | x[..., i]
-    return out
-
-
-def fragment_layout_inverse(rec, kn, lq, *, param_dtype=jnp.float16):
-    """Exact inverse of ``fragment_layout`` (codes, parameters as param_dtype, norms f32)."""
-    b, h, n, _ = rec.shape
-    shifts = (2 * np.arange(16)).astype(np.uint32)
-    kw = (rec[..., _KC:_VC, None] >> shifts) & 3  # [b, h, n, 512, 16]
-    vw = (rec[..., _VC:_KP, None] >> shifts) & 3
-    kq = jnp.zeros((b, h, n, TILE, D), jnp.uint8).at[:, :, :, _KT, _KCH].set(kw.astype(jnp.uint8))
-    vq = jnp.zeros((b, h, n, TILE, D), jnp.uint8).at[:, :, :, _VT, _VCH].set(vw.astype(jnp.uint8))
-    kq = kq.reshape(b, h, n * TILE, D)[:, :, :lq]
-    vq = vq.reshape(b, h, n * TILE, D)[:, :, :lq]
-
-    def unwords(w):
-        lo = (w & 0xFFFF).astype(jnp.uint16)
-        hi = (w >> 16).astype(jnp.uint16)
-        x = jnp.stack([lo, hi], -1).reshape(w.shape[:-1] + (2 * w.shape[-1],))
-        return jax.lax.bitcast_convert_type(x, param_dtype)
-
-    kp = unwords(rec[..., _KP:_VP]).reshape(b, h, n, 2, 2, D)
-    inv_k = np.argsort(_KP_CH)
-    ks = kp[..., 0, :][..., inv_k].reshape(b, h, n * 2, D)[:, :, : lq // G]
-    kz = kp[..., 1, :][..., inv_k].reshape(b, h, n * 2, D)[:, :, : lq // G]
-    vp = unwords(rec[..., _VP:1536]).reshape(b, h, n, 2, 2, D // G, 32)
-    inv_v = np.argsort(_VP_TOK)
-    vs = jnp.swapaxes(vp[:, :, :, :, 0][..., inv_v], -1, -2).reshape(b, h, n * TILE, D // G)
-    vz = jnp.swapaxes(vp[:, :, :, :, 1][..., inv_v], -1, -2).reshape(b, h, n * TILE, D // G)
-    return dict(
-        k_codes=_pack_planar(kq), k_scale=ks, k_zero=kz, k_norm=kn[:, :, :lq],
-        v_codes=_pack_planar(vq), v_scale=vs[:, :, :lq], v_zero=vz[:, :, :lq],
-    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------
