@@ -50,6 +50,7 @@ from models.config import ModelConfig
 from models.forward import Static, decode_forward, prefill_forward
 from models.model import CausalLM
 from models.placement import placement
+from models.window import WindowCache
 from oscar_jax import sharding as osh
 from oscar_jax.backends import Backends
 
@@ -488,8 +489,13 @@ def decode_step_hlo(
         layers.param_shapes(cfg, per_layer=True), is_leaf=layers.is_shape,
     )  # fmt: skip
     params = jax.tree_util.tree_map(put, shapes, msh.param_shardings(cfg, mesh, ax, per_layer=True))
-    one = memory.abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
-    one = jax.tree_util.tree_map(put, one, osh.cache_shardings(one, mesh, ax))
-    caches = (one,) * cfg.num_layers
+
+    def placed(c):  # Gemma 3's sliding-window layers hold rings (models.window)
+        sh = (msh.window_shardings(c, mesh, ax) if isinstance(c, WindowCache)
+              else osh.cache_shardings(c, mesh, ax))  # fmt: skip
+        return jax.tree_util.tree_map(put, c, sh)
+
+    abstract = memory.abstract_decode_caches(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
+    caches = tuple(placed(c) for c in abstract)
     tok = jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=msh.rows(mesh, ax))
     return _step_jit.lower(st, params, caches, tok, tok).compile().as_text()

@@ -148,6 +148,13 @@ def constrain(x, mesh: Mesh | None, spec: P):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
+def window_shardings(ring: WindowCache, mesh: Mesh, ax: MeshAxes = AXES) -> WindowCache:
+    """Shardings of a local layer's ring (the layout ``constrain_caches`` pins): K/V
+    [B, Hkv, S, D] split by rows and KV heads, lengths / flags by rows."""
+    kv, row = NamedSharding(mesh, P(ax.data, ax.model, None, None)), NamedSharding(mesh, P(ax.data))
+    return WindowCache(kv, kv, row, row)
+
+
 def constrain_caches(caches, mesh: Mesh | None, ax: MeshAxes = AXES):
     """Pin caches to the default cache layout (identity without mesh): a tuple of per-layer
     caches [B, ...], or one KVCache stacked on leading layer axes [L, B, ...]."""

@@ -237,3 +237,31 @@ def test_eval_cache_exact_logits_equal_decoding(family):
     lp = jax.nn.log_softmax(ref[:, :-1], axis=-1)
     want = -np.take_along_axis(np.asarray(lp), ids[:, 1:, None], axis=-1)[..., 0]
     np.testing.assert_allclose(nll, want, rtol=0, atol=3e-3)
+
+
+# -- sharded meshes (generation: tests/test_gemma3.py, tests/test_qwen3_moe.py) -------------
+def _mesh():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("data", "model", "sequence"))
+
+
+def test_moe_int2_generation_on_a_sequence_split_mesh():
+    """The INT2 cache split by rows, KV heads and sequence, the experts' hidden dim by model
+    (test_qwen3_moe covers a bf16 cache on a mesh without a sequence axis)."""
+    m = _model("qwen3_moe")
+    kv = oj.preset("oscar", bits=2, **KV)
+    ids = _ids(2, 24, 6)
+    ref = np.asarray(models.generate(m, ids, 12, kv=kv, stop_tokens=(), max_len=64))
+    got = np.asarray(models.generate(m, ids, 12, kv=kv, stop_tokens=(), max_len=64, mesh=_mesh()))
+    np.testing.assert_array_equal(got, ref)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_sharded_decode_step_hlo(family):
+    """``decode_step_hlo`` lowers from shapes: rings on Gemma 3's local layers."""
+    kv = oj.preset("oscar", bits=2, **KV)
+    hlo = models.decode_step_hlo(_config(family), kv, _mesh(), batch=2, max_len=128)
+    assert "all-reduce" in hlo or "all-gather" in hlo
