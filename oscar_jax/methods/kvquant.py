@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float
@@ -80,9 +81,10 @@ def lloyd(samples: np.ndarray, n: int, iters: int = 60) -> np.ndarray:
         raise ValueError(f"{x.size} samples cannot fit {n} levels")
     lv = np.quantile(x, (np.arange(n) + 0.5) / n)
     for _ in range(iters):
-        edges = np.searchsorted(x, (lv[:-1] + lv[1:]) / 2)
-        parts = np.split(x, edges)
-        lv = np.asarray([p.mean() if p.size else lv[i] for i, p in enumerate(parts)])
+        idx = np.searchsorted((lv[:-1] + lv[1:]) / 2, x)  # nearest level of each sample
+        cnt = np.bincount(idx, minlength=n)
+        tot = np.bincount(idx, weights=x, minlength=n)
+        lv = np.where(cnt > 0, tot / np.maximum(cnt, 1), lv)  # an empty cell keeps its level
     return np.sort(lv)
 
 
@@ -158,11 +160,13 @@ class KVQuant(base.MethodConfig):
         n = 1 << self.bits
         rng = np.random.default_rng(0)
         kl, vl = [], []
+        keys = jax.jit(lambda x, c, s: self._keys(base.rope_rotate(x, c, s, inverse=True))[:2])
+        values = jax.jit(lambda x: self._values(x)[:2])
         for kk, vv in zip(np.asarray(k), np.asarray(v), strict=True):  # one layer [N, H, T, D]
             t = kk.shape[2] - kk.shape[2] % self.group_size
-            kp = base.rope_rotate(jnp.asarray(kk[:, :, :t]), cos[:t], sin[:t], inverse=True)
-            for x, fn, acc in ((kp, self._keys, kl), (jnp.asarray(vv[:, :, :t]), self._values, vl)):
-                u, out, _ = fn(x)
+            kp = (jnp.asarray(kk[:, :, :t]), cos[:t], sin[:t])
+            for x, fn, acc in ((kp, keys, kl), ((jnp.asarray(vv[:, :, :t]),), values, vl)):
+                u, out = fn(*x)
                 s = np.asarray(u)[~np.asarray(out)]
                 s = rng.choice(s, min(s.size, 200_000), replace=False)
                 acc.append(lloyd(s, n))

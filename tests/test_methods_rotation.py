@@ -1,0 +1,60 @@
+"""Proposal B: the fitted rotations are orthogonal, PCA-then-Hadamard evens out the
+per-channel second moments, and the method is OScaR under its rotation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oscar_jax import methods as M
+from oscar_jax.methods import rotation
+
+
+def _aniso(n=4096, d=32, seed=0):
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((d, d)) * np.geomspace(10.0, 0.1, d)  # very uneven directions
+    return rng.standard_normal((n, d)) @ a.T + 0.5
+
+
+def test_hadamard_and_fitted_rotations_are_orthogonal():
+    for d in (8, 64):
+        h = rotation.hadamard_matrix(d)
+        np.testing.assert_allclose(h @ h.T, np.eye(d), atol=1e-12)
+    with pytest.raises(ValueError, match="power of two"):
+        rotation.hadamard_matrix(12)
+    r = rotation.pca_hadamard(_aniso())
+    np.testing.assert_allclose(r @ r.T, np.eye(32), atol=1e-10)
+    q = rotation.random_orthogonal(32, np.random.default_rng(1))
+    np.testing.assert_allclose(q @ q.T, np.eye(32), atol=1e-10)
+
+
+def test_pca_then_hadamard_evens_the_channels_second_moments():
+    x = _aniso()
+    m2 = lambda y: np.mean(y**2, axis=0)  # noqa: E731
+    fitted = m2(x @ rotation.pca_hadamard(x).T)
+    np.testing.assert_allclose(fitted, fitted.mean(), rtol=1e-6)  # exactly even
+    had = m2(x @ rotation.hadamard_matrix(32).T)
+    assert had.max() / had.min() > 1.5  # the plain Hadamard does not
+
+
+def test_fit_per_layer_and_head_and_the_method_is_oscar_under_it():
+    k = jax.random.normal(jax.random.PRNGKey(0), (2, 1, 2, 64, 32)) * jnp.linspace(3, 0.2, 32)
+    v = jax.random.normal(jax.random.PRNGKey(1), (2, 1, 2, 64, 32))
+    cfg = M.parse_name("oscarp8").fit(k, v, None)
+    rot = cfg.calibration.arrays["rotation"]
+    assert rot.shape == (2, 2, 32, 32)
+    for li in range(2):
+        for h in range(2):
+            np.testing.assert_allclose(rot[li, h] @ rot[li, h].T, np.eye(32), atol=1e-5)
+    assert not np.allclose(rot[0, 0], rot[1, 0])
+    kh, vh = jax.jit(cfg.fake_quant_kv)(k[0], v[0], state=cfg.calibrated_state(0))
+    np.testing.assert_allclose(np.asarray(kh), np.asarray(k[0]), atol=0.05)  # 8 bits: near exact
+    ro = M.parse_name("oscaro2").fit(k, v, None)
+    assert ro.calibration != cfg.calibration and hash(ro) != hash(cfg)
+    assert M.bytes_per_token(cfg.replace(bits=2), 64)["total"] == 50.0
+    with pytest.raises(ValueError, match="fitted"):
+        M.parse_name("oscarp2").fake_quant_kv(k[0], v[0])
+    with pytest.raises(ValueError, match="rotation"):
+        M.OscarRotation(rotation="pca")
