@@ -239,6 +239,28 @@ def test_eval_cache_exact_logits_equal_decoding(family):
     np.testing.assert_allclose(nll, want, rtol=0, atol=3e-3)
 
 
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+def test_eval_needle_loglikelihood_equals_decoding(family):
+    """``oscar_eval.niah.answer_logprob`` (the needle test's path): the prompt prefilled, the
+    answer teacher-forced through the INT2 cache (rings on Gemma 3) as decode_step does."""
+    from oscar_eval import niah as eval_niah
+
+    m = _model(family)
+    kv = oj.preset("oscar", bits=2, **KV)
+    ids, ans = _ids(1, 36, 7)[0], _ids(1, 6, 8)[0]
+    got = eval_niah.answer_logprob(m, [{"ids": ids.tolist(), "answer_ids": ans.tolist()}], kv)
+    # a prompt bucket of 64 (max_len 80): with max_len 48 the prefill runs on 48 columns and
+    # Gemma 3's windowed prompt attention differs by float32 ulps, which flip INT2 codes
+    # here and move a token's log-probability by up to 1.2e-2 (bf16: 1e-6; Llama: 1e-6)
+    logits, caches, p = models.prefill(m, ids[None], kv, max_new_tokens=8, max_len=80)
+    assert p.ids.shape == (1, 64)
+    want = 0.0
+    for i, a in enumerate(ans):
+        want += float(jax.nn.log_softmax(logits[0])[a])
+        logits, caches = models.decode_step(p, caches, [a], [len(ids) + i])
+    assert abs(got[0] - want) <= 1e-4, (got, want)
+
+
 # -- sharded meshes (generation: tests/test_gemma3.py, tests/test_qwen3_moe.py) -------------
 def _mesh():
     if len(jax.devices()) < 8:
