@@ -27,6 +27,7 @@ from oscar_jax.cache import (
     KVCache,
     cache_capacity_nbytes,
     cache_nbytes,
+    convert_layout,
     dequantize,
     init_cache,
     prefill,
@@ -53,7 +54,7 @@ from oscar_jax.ring import append
 __all__ = [
     "FLAG_BAD_LENGTH", "FLAG_NONFINITE", "FLAG_OVERFLOW", "METHODS", "Backends", "EncodedKeys",
     "EncodedValues", "KVCache", "KVQuantConfig", "append", "backends", "cache_capacity_nbytes",
-    "cache_nbytes", "check_cache", "checked", "checks", "decode_attention",
+    "cache_nbytes", "check_cache", "convert_layout", "checked", "checks", "decode_attention",
     "decode_attention_xla", "decode_keys",
     "decode_values", "dequantize", "dequantize_groups", "diagnostics", "encode",
     "encode_keys_xla", "encode_values_xla", "fake_quant_keys", "fake_quant_values", "fwht",

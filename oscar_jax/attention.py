@@ -138,8 +138,9 @@ def decode_attention(
     """Attention of one query token per row over the cache (q after RoPE, original basis).
 
     ``implementation``: a backend of ``oscar_jax.backends.TABLES["decode_attention"]``:
-    "xla" (the pure-JAX reference) or "triton" (the fused INT2/INT4 flash-decoding kernel
-    of ``pallas_kernels.decode``; interpret mode without a GPU), or a callable
+    "xla" (the pure-JAX reference), "triton" (the fused INT2/INT4 flash-decoding kernel
+    of ``pallas_kernels.decode``; interpret mode without a GPU), "mosaic" (the Mosaic GPU
+    INT2 kernel over a layout='record' cache; Hopper GPU, jax >= 0.11.2), or a callable
     ``fn(q, cache, *, softmax_scale=None, **options)``.
     Rows whose cache has ``FLAG_NONFINITE`` return NaN (``poison_flagged_rows``).
     """

@@ -9,6 +9,9 @@ registration code. Names are the same for every op:
 - ``"xla"``: the pure-JAX reference (any device);
 - ``"triton"``: the Pallas kernels lowered through Triton (``pallas_kernels``; Pallas
   interpret mode without a GPU). ``"pallas"`` is accepted as another name for it.
+- ``"mosaic"``: the Pallas Mosaic GPU INT2 decode kernel (``decode_attention`` only;
+  jax >= 0.11.2 and a Hopper GPU, else a ValueError on lookup); it reads a cache of
+  ``KVQuantConfig(layout="record")`` as it is and refuses a planar one.
 
 An op can also be given a callable of the op's signature (e.g. a baseline under test).
 An unknown or unavailable backend raises a ``ValueError`` naming it and what is
@@ -31,6 +34,7 @@ TABLES: dict[str, dict[str, Callable | str]] = {
     "decode_attention": {
         "xla": "oscar_jax.attention:decode_attention_xla",
         "triton": "pallas_kernels.decode.triton:decode_attention_triton",
+        "mosaic": "pallas_kernels.decode.mosaic_backend:decode_attention",
     },
     # one sequence shard's quantized part (oscar_jax.sharding):
     # fn(q_rot [b, h, g, d], cache, scale, *, offset=0, **options) -> (acc, m, l)
@@ -52,7 +56,7 @@ TABLES: dict[str, dict[str, Callable | str]] = {
 }
 ALIASES = {"pallas": "triton"}
 # decode_attention backends that return NaN for FLAG_NONFINITE rows themselves
-POISONING = frozenset({("decode_attention", "triton")})
+POISONING = frozenset({("decode_attention", "triton"), ("decode_attention", "mosaic")})
 _RESOLVED: dict[tuple[str, str], Callable] = {}
 
 
@@ -150,7 +154,8 @@ class Backends:
 
     @classmethod
     def of(cls, spec: str | Backends) -> Backends:
-        """``spec`` as Backends: a name selects it for every part that has it."""
+        """``spec`` as Backends: a name selects it for every part that has it ("xla" for
+        the others: "mosaic" is an attention backend only)."""
         if isinstance(spec, Backends):
             return spec
         if not isinstance(spec, str):
@@ -159,7 +164,8 @@ class Backends:
                 f"{available('decode_attention')} or a Backends"
             )
         name = canonical("decode_attention", spec)
-        return cls(attention=name, encode=name, cache_write=name)
+        part = {op: name if name in TABLES[op] else "xla" for op in ("encode", "cache_write")}
+        return cls(attention=name, encode=part["encode"], cache_write=part["cache_write"])
 
     def replace(self, **changes) -> Backends:
         return dataclasses.replace(self, **changes)

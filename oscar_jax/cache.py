@@ -24,6 +24,16 @@ quantized part is empty and the ring has S = max_len slots (no flush).
 
 Lq is rounded up to a multiple of max(G, 256) tokens, the decode kernel's tile.
 
+``cfg.layout == "record"`` (INT2, G = 32, D = 128, 16-bit parameters) stores the
+quantized part as the Mosaic GPU decode kernel reads it (``oscar_jax.record``):
+k_codes holds the records rec [B, H, Lq/64, 1600] uint32, k_norm the norms
+kn [B, H, Lq] float32, and k_scale, k_zero, v_codes, v_scale, v_zero are empty
+(length 0 along the token axis); ``rec`` / ``kn`` name them. The records are an
+exact permutation of the planar arrays: prefill and the flushes write the same
+bits as ``record.planar_to_record`` of the planar cache given the same writes.
+Readers of the planar arrays go through ``quantized_parts`` (the exact inverse)
+or call ``check_layout`` (the Triton kernels: a ValueError naming the layout).
+
 Capacity: an ``append`` to a full row writes nothing, keeps its length and
 sets ``FLAG_OVERFLOW`` in ``flags`` (under ``jit`` nothing can raise). Non-finite
 keys or values set ``FLAG_NONFINITE`` for that row; other rows are untouched.
@@ -61,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from oscar_jax import codec
+from oscar_jax import codec, record
 from oscar_jax.config import KVQuantConfig
 from oscar_jax.eager import compiled
 
@@ -123,11 +133,50 @@ class KVCache:
 
     @property
     def quant_capacity(self) -> int:
-        return self.k_codes.shape[2]
+        return self.k_norm.shape[2]  # tokens in both layouts (k_codes holds records in one)
+
+    @property
+    def rec(self) -> Array:
+        """[B, H, Lq/64, 1600] uint32: the records of a layout='record' cache."""
+        check_layout(self, "record", "rec")
+        return self.k_codes
+
+    @property
+    def kn(self) -> Array:
+        """[B, H, Lq] float32: the token norms of a layout='record' cache."""
+        check_layout(self, "record", "kn")
+        return self.k_norm
 
     def num_quantized(self) -> Int[Array, " B"]:
         """nq per row: tokens in the quantized part."""
         return quantized_count(self.lengths, self.cfg)
+
+
+def check_layout(cache: KVCache, want: str, what: str) -> None:
+    """ValueError naming ``what`` unless the cache's quantized part has layout ``want``."""
+    if cache.cfg.layout != want:
+        raise ValueError(
+            f"{what} needs a cache of layout={want!r}; this one has layout={cache.cfg.layout!r} "
+            "(KVQuantConfig.layout; convert_layout converts a cache exactly)"
+        )
+
+
+def convert_layout(cache: KVCache, layout: str) -> KVCache:
+    """The cache with its quantized part in ``layout`` ("planar" or "record"), bit-exact both
+    ways (reads and writes the whole quantized part: a conversion, not a decode step)."""
+    cfg = cache.cfg.replace(layout=layout)  # validates layout
+    cfg.validate_head_dim(cache.head_dim)
+    if layout == cache.cfg.layout or not cfg.quantized:
+        return dataclasses.replace(cache, cfg=cfg)
+    fields = {n: getattr(cache, n) for n in record.PLANAR}
+    pdt = cfg.scale_dtype
+    if layout == "record":
+        fields = record.planar_to_record(fields, param_dtype=pdt)
+    else:
+        hn = cache.num_kv_heads if cfg.norm_granularity == "per_head" else 1
+        fields = record.record_to_planar(fields, param_dtype=pdt, norm_heads=hn,
+                                         norm_dtype=cfg.norm_jnp_dtype)  # fmt: skip
+    return dataclasses.replace(cache, cfg=cfg, **fields)
 
 
 def quantized_count(n: Array, cfg: KVQuantConfig) -> Array:
@@ -183,14 +232,19 @@ def init_cache(
     hn = h if cfg.norm_granularity == "per_head" else 1
     pdt, ndt = cfg.scale_dtype, cfg.norm_jnp_dtype
     z = jnp.zeros
+    lp = lq if cfg.layout == "planar" else 0  # the planar arrays' token axis
+    if cfg.layout == "record":
+        codes, norms = z((b, h, lq // record.TILE, record.WORDS), jnp.uint32), z((b, h, lq))
+    else:
+        codes, norms = z((b, h, lq, db), jnp.uint8), z((b, hn, lq), ndt)
     return KVCache(
-        k_codes=z((b, h, lq, db), jnp.uint8),
-        k_scale=z((b, h, lq // g, d), pdt),
-        k_zero=z((b, h, lq // g, d), pdt),
-        k_norm=z((b, hn, lq), ndt),
-        v_codes=z((b, h, lq, db), jnp.uint8),
-        v_scale=z((b, h, lq, d // gv), pdt),
-        v_zero=z((b, h, lq, d // gv), pdt),
+        k_codes=codes,
+        k_scale=z((b, h, lp // g, d), pdt),
+        k_zero=z((b, h, lp // g, d), pdt),
+        k_norm=norms,
+        v_codes=z((b, h, lp, db), jnp.uint8),
+        v_scale=z((b, h, lp, d // gv), pdt),
+        v_zero=z((b, h, lp, d // gv), pdt),
         k_res=z((b, h, slots, d), dtype),
         v_res=z((b, h, slots, d), dtype),
         lengths=z((b,), jnp.int32),
@@ -284,9 +338,9 @@ def prefill(
             raise ValueError(f"lengths.shape={lengths.shape} must be ({b},) of integers")
         n = jnp.clip(lengths, 0, t).astype(jnp.int32)
         bad = jnp.where(n != lengths, FLAG_BAD_LENGTH, 0).astype(jnp.int32)
-    empty = init_cache(
-        cfg, batch=b, max_len=cache.max_len, num_kv_heads=cache.num_kv_heads,
-        head_dim=cache.head_dim, dtype=cache.dtype,
+    empty = init_cache(  # planar; a record cache is converted at the end (exact)
+        cfg.replace(layout="planar"), batch=b, max_len=cache.max_len,
+        num_kv_heads=cache.num_kv_heads, head_dim=cache.head_dim, dtype=cache.dtype,
     )  # fmt: skip
     kh = jnp.swapaxes(k, 1, 2)  # [B, H, T, D]
     vh = jnp.swapaxes(v, 1, 2)
@@ -335,16 +389,21 @@ def prefill(
         )
         return jnp.where(okm, g_, 0).astype(cache.dtype)
 
-    return dataclasses.replace(
+    out = dataclasses.replace(
         empty, k_res=ring(kh), v_res=ring(vh), lengths=n, flags=flags, **fields
     )
+    return convert_layout(out, cfg.layout)
 
 
 def quantized_parts(cache: KVCache) -> tuple[codec.EncodedKeys, codec.EncodedValues]:
-    """The quantized part as encoded blocks (all Lq positions; rows valid up to nq)."""
+    """The quantized part as encoded blocks (all Lq positions; rows valid up to nq). A
+    record-layout cache is read through the exact inverse (float32 norms [B, H, Lq])."""
+    f = {n: getattr(cache, n) for n in record.PLANAR}
+    if cache.cfg.layout == "record" and cache.quant_capacity:
+        f = record.record_to_planar(f, param_dtype=cache.cfg.scale_dtype)
     return (
-        codec.EncodedKeys(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm),
-        codec.EncodedValues(cache.v_codes, cache.v_scale, cache.v_zero),
+        codec.EncodedKeys(f["k_codes"], f["k_scale"], f["k_zero"], f["k_norm"]),
+        codec.EncodedValues(f["v_codes"], f["v_scale"], f["v_zero"]),
     )
 
 
@@ -385,6 +444,8 @@ def bytes_per_token(cache: KVCache) -> tuple[float, int]:
     res = 2 * h * d * jnp.dtype(cache.dtype).itemsize
     if not cfg.quantized:
         return 0.0, res
+    if cfg.layout == "record":  # 1600 words per 64 tokens and a float32 norm, per head
+        return h * (record.WORDS * 4 / record.TILE + 4), res
     p = jnp.dtype(cfg.scale_dtype).itemsize
     hn = cache.k_norm.shape[1]
     per = 2 * h * d * cfg.bits / 8  # K and V codes

@@ -21,6 +21,7 @@ SUPPORTED_BITS: tuple[int, ...] = (1, 2, 3, 4, 8)
 NORM_GRANULARITIES: tuple[str, ...] = ("per_head", "per_token")
 ROTATION_KINDS: tuple[str, ...] = ("hadamard", "randomized_hadamard", "random_orthogonal", "none")
 PARAM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+LAYOUTS: tuple[str, ...] = ("planar", "record")
 
 
 _BITS = ", ".join(map(str, SUPPORTED_BITS[:-1])) + f" or {SUPPORTED_BITS[-1]}"
@@ -55,6 +56,12 @@ class KVQuantConfig:
         to |x| <= 65504 (a row whose parameters overflow is flagged ``FLAG_NONFINITE``).
         ``"bfloat16"`` / ``"float32"`` for wider ranges.
       norm_dtype: dtype of the stored token norms.
+      layout: how the quantized part is stored. ``"planar"`` (default): codes, scales,
+        zeros and norms in separate arrays (``oscar_jax.cache``), read by the "xla" and
+        "triton" backends. ``"record"``: one 1600-word record per 64 tokens and float32
+        norms (``oscar_jax.record``), what the "mosaic" decode backend reads without a
+        conversion; INT2, group_size 32, float16/bfloat16 parameters and head_dim 128 only
+        (``record_reason``).
     """
 
     method: str = "oscar"
@@ -69,6 +76,7 @@ class KVQuantConfig:
     rotation_seed: int = 0
     param_dtype: str = "float16"
     norm_dtype: str = "bfloat16"
+    layout: str = "planar"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -110,6 +118,11 @@ class KVQuantConfig:
                 f"rotation={self.rotation!r} conflicts with rotate_keys={self.rotate_keys}, "
                 f"rotate_values={self.rotate_values}"
             )
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout={self.layout!r} must be one of {LAYOUTS}")
+        why = self.record_reason() if self.layout == "record" else None
+        if why is not None:
+            raise ValueError(f"layout='record' must have {why}")
 
     # -- derived, static properties -------------------------------------------------
     @property
@@ -132,6 +145,19 @@ class KVQuantConfig:
         """Channels per value group: G, capped at head_dim."""
         return min(self.group_size, head_dim)
 
+    def record_reason(self, head_dim: int | None = None) -> str | None:
+        """What keeps this config (and head_dim, if given) out of the record layout, which
+        the Mosaic GPU decode kernel reads (None: nothing)."""
+        if not self.quantized or self.bits != 2:
+            return f"bits=2 (INT2), not bits={self.bits}"
+        if self.group_size != 32:
+            return f"group_size=32, not group_size={self.group_size}"
+        if self.param_dtype not in ("float16", "bfloat16"):
+            return f"param_dtype float16 or bfloat16, not param_dtype={self.param_dtype!r}"
+        if head_dim is not None and head_dim != 128:
+            return f"head_dim=128, not head_dim={head_dim}"
+        return None
+
     def validate_head_dim(self, head_dim: int, name: str = "head_dim") -> None:
         """Raise ValueError when head_dim cannot be stored with this config."""
         if isinstance(head_dim, bool) or not isinstance(head_dim, int | np.integer):
@@ -143,6 +169,8 @@ class KVQuantConfig:
                 f"{name}={head_dim} must be a multiple of group_size={self.group_size} "
                 "(values are grouped along channels)"
             )
+        if self.layout == "record" and head_dim != 128:
+            raise ValueError(f"{name}={head_dim} must be 128 for layout='record'")
 
     def replace(self, **kw) -> KVQuantConfig:
         return dataclasses.replace(self, **kw)

@@ -53,6 +53,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from oscar_jax.cache import KVCache
 from oscar_jax.config import KVQuantConfig
+from oscar_jax.record import RECORD_VERSION
 
 FORMAT = "oscar_jax.persistence"
 VERSION = 2  # 2: registered nodes (register_node); a file without them is written as 1
@@ -101,12 +102,14 @@ def _spec_json(x) -> list | None:
 def _encode(node, arrays: list, specs: dict):
     """Pytree -> JSON-able structure; arrays appended to ``arrays`` (name t<i>)."""
     if isinstance(node, KVCache):
-        return {
-            "type": "KVCache",
-            "cfg": dataclasses.asdict(node.cfg),
-            "max_len": int(node.max_len),
-            "fields": {f: _encode(getattr(node, f), arrays, specs) for f in _KV_FIELDS},
-        }
+        cfg = dataclasses.asdict(node.cfg)
+        out = {"type": "KVCache", "cfg": cfg, "max_len": int(node.max_len)}
+        if cfg["layout"] == "planar":
+            del cfg["layout"]  # the default: such a file stays readable by older readers
+        else:  # the permutation's version: a reader of another version refuses the file
+            out["record_layout"] = RECORD_VERSION
+        out["fields"] = {f: _encode(getattr(node, f), arrays, specs) for f in _KV_FIELDS}
+        return out
     if (reg := _BY_CLASS.get(type(node))) is not None:
         fields = {f: _encode(getattr(node, f), arrays, specs) for f in _NODES[reg][1]}
         return {"type": "node", "name": reg, "fields": fields}
@@ -270,6 +273,10 @@ def _decode(node, path, header, data, take, mesh):
             cfg = KVQuantConfig(**node["cfg"])
         except (TypeError, ValueError) as e:
             raise _fail(path, f"bad KVQuantConfig in the header: {e}") from e
+        if cfg.layout == "record" and node.get("record_layout") != RECORD_VERSION:
+            got = node.get("record_layout")
+            raise _fail(path, f"a layout='record' cache of record layout version {got!r}; "
+                        f"this reader knows {RECORD_VERSION}")  # fmt: skip
         fields = {f: rec(node["fields"][f]) for f in _KV_FIELDS}
         return KVCache(**fields, cfg=cfg, max_len=int(node["max_len"]))
     if t == "node":

@@ -243,3 +243,32 @@ def group_words(
                              tile(v_scale), tile(v_zero), param_dtype=param_dtype,
                              block_tokens=TILE)  # fmt: skip
     return rec[:, :, 0]
+
+
+PLANAR = ("k_codes", "k_scale", "k_zero", "k_norm", "v_codes", "v_scale", "v_zero")
+
+
+def planar_to_record(fields: dict, *, param_dtype) -> dict:
+    """A cache's planar quantized arrays (``PLANAR``, Lq a multiple of 64) -> the same fields
+    of a record-layout cache: k_codes = rec [B, H, Lq/64, 1600] uint32, k_norm = kn
+    [B, H, Lq] float32, the other five empty (length 0 along the token axis). Exact."""
+    rec, kn = fragment_layout(*(fields[n] for n in PLANAR), param_dtype=param_dtype,
+                              block_tokens=TILE)  # fmt: skip
+    out = {n: fields[n][:, :, :0] for n in PLANAR}
+    out.update(k_codes=rec, k_norm=kn)
+    return out
+
+
+def record_to_planar(fields: dict, *, param_dtype, norm_heads: int | None = None,
+                     norm_dtype=None) -> dict:  # fmt: skip
+    """Inverse of ``planar_to_record`` (exact): the planar arrays of a record-layout cache's
+    fields. ``norm_heads``=1 keeps one norm per token (per-token norms, equal over heads) and
+    ``norm_dtype`` casts the norms back (exact for norms that came from it); None: float32
+    norms [B, H, Lq], which the library's decoders take as well."""
+    kn = fields["k_norm"]
+    out = fragment_layout_inverse(fields["k_codes"], kn, kn.shape[2], param_dtype=param_dtype)
+    if norm_heads is not None:
+        out["k_norm"] = out["k_norm"][:, :norm_heads]
+    if norm_dtype is not None:
+        out["k_norm"] = out["k_norm"].astype(norm_dtype)
+    return out

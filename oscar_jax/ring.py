@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from oscar_jax import codec
+from oscar_jax import codec, record
 from oscar_jax.cache import (
     FLAG_NONFINITE,
     FLAG_OVERFLOW,
@@ -162,6 +162,8 @@ def encode_flush(cache: KVCache, nq: Array, flush: Array, implementation: str, o
 
 def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) -> KVCache:
     """Store encoded groups at token position nq of each flushing row (shard-aware)."""
+    if cache.cfg.layout == "record":
+        return _write_records(cache, ek, ev, nq, flush, q_offset)
     g = cache.cfg.group_size
     gofs = q_offset // g
     return dataclasses.replace(
@@ -173,4 +175,24 @@ def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) ->
         v_codes=_set_rows(cache.v_codes, ev.codes, nq, flush, q_offset),
         v_scale=_set_rows(cache.v_scale, ev.scale, nq, flush, q_offset),
         v_zero=_set_rows(cache.v_zero, ev.zero, nq, flush, q_offset),
+    )
+
+
+def _write_records(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) -> KVCache:
+    """``write_groups`` of a layout='record' cache: each flushing row's group becomes one half
+    of record nq // 64 (read, merged by the half's word mask, written back: one 1600-word
+    record per (row, head)), its norms go to kn[nq : nq + G] as float32."""
+    rec, tile = cache.k_codes, record.TILE
+    half = _rem(_div(nq, cache.cfg.group_size), 2)
+    words = record.group_words(ek.codes, ek.scale, ek.zero, ev.codes, ev.scale, ev.zero, half,
+                               param_dtype=cache.cfg.scale_dtype)  # fmt: skip
+    r, r_offset = _div(nq, tile), q_offset // tile
+    local = jnp.clip(r - r_offset, 0, rec.shape[2] - 1)  # out of this shard: dropped below
+    old = jax.vmap(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False))(rec, local)
+    new = jnp.where(jnp.asarray(record.HALF_WORDS)[half][:, None, :], words, old)
+    norm = jnp.broadcast_to(ek.norm.astype(jnp.float32), cache.k_norm.shape[:2] + ek.norm.shape[2:])
+    return dataclasses.replace(
+        cache,
+        k_codes=_set_rows(rec, new[:, :, None], r, flush, r_offset),
+        k_norm=_set_rows(cache.k_norm, norm, nq, flush, q_offset),
     )

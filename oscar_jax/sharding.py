@@ -103,8 +103,8 @@ def check_mesh(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES, leading_axes: in
         raise ValueError(
             f"num_kv_heads={cache.num_kv_heads} must be divisible by the {ax.model} axis ({nm})"
         )
-    if cache.cfg.quantized:
-        need = ns * cache.cfg.group_size
+    if cache.cfg.quantized:  # whole groups (records of 64 tokens for layout='record') a shard
+        need = ns * (64 if cache.cfg.layout == "record" else cache.cfg.group_size)
         if cache.quant_capacity % need:
             raise ValueError(
                 f"quantized capacity {cache.quant_capacity} must be divisible by "

@@ -51,6 +51,10 @@ def unsupported_reason(cache) -> str | None:
     if not isinstance(cache, KVCache):
         return f"cache={type(cache).__name__} must be a KVCache"
     cfg = cache.cfg
+    if cfg.layout != "planar":
+        return (
+            f"layout={cfg.layout!r}: the fused write stores the planar layout (cache_write='xla')"
+        )
     if not can_flush_early(cache):
         return (
             f"cache must be quantized with residual_length >= 1 and a quantized part "

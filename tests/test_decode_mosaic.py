@@ -21,6 +21,7 @@ import oscar_jax as oj
 from pallas_kernels.decode import mosaic as mk
 
 D = 128
+PT = "per_token"
 
 
 def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, **kw):
@@ -179,6 +180,15 @@ def test_kernels_lower_for_sm90(block, g, stage):
         fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("merge,rotate_values", [("xla", True), ("mosaic", False)])
+def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values):
+    """The "mosaic" backend's call on a layout='record' cache (its arrays read as they are)."""
+    c = _cache(3, 2, [600, 130], rotate_values=rotate_values, layout="record")
+    fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))
+    fn.trace(query(3, 2, 8, D), c).lower(lowering_platforms=("cuda",))
+
+
 def _qdtype(param_dtype):
     """Queries (and so outputs) in float32 for float16 parameters: a bfloat16 output's own
     rounding (2^-9 relative) would exceed float16's bound and hide the kernel's error."""
@@ -215,7 +225,7 @@ class TestMosaicGPU:
                    max_len=4096 + 160)  # fmt: skip
         q = query(len(lengths), len(lengths), 2 * g, D, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs)
-        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg))(q, c)
+        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, convert=True))(q, c)
         want = oj.decode_attention(q, c, implementation="xla")
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
@@ -235,7 +245,34 @@ class TestMosaicGPU:
                    max_len=4096 + 160, rotate_values=False)  # fmt: skip
         q = query(len(lengths) + 1, len(lengths), 2 * g, D, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs)
-        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge="mosaic"))(q, c)
+        got = jax.jit(
+            lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge="mosaic", convert=True)
+        )(q, c)
         want = oj.decode_attention(q, c, implementation="xla")
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+    @pytest.mark.parametrize(
+        "lengths,g,param_dtype,kw",
+        [
+            ([4000, 0, 150], 4, "float16", dict()),  # values rotated: the merge in XLA
+            ([2080, 1999], 7, "bfloat16", dict(rotate_values=False)),  # second Mosaic launch
+            ([3100, 640, 33], 3, "float16", dict(rotate_values=False, norm_granularity=PT)),
+            ([1234, 2900], 8, "bfloat16", dict(norm_granularity=PT)),
+        ],
+    )
+    def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw):
+        """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
+        prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA."""
+        b, h = len(lengths), 2
+        c = _cache(sum(lengths) + 2, b, lengths, param_dtype=param_dtype, max_len=4096 + 160,
+                   layout="record", **kw)  # fmt: skip
+        step = jax.jit(oj.append)
+        for i in range(40):
+            k, v = kv_with_sinks(500 + i, b, 1, h, D, jnp.bfloat16, sinks=())
+            c = step(c, k[:, 0], v[:, 0])
+        q = query(len(lengths) + 2, b, h * g, D, _qdtype(param_dtype))
+        got = jax.jit(lambda q, c: oj.decode_attention(q, c, implementation="mosaic"))(q, c)
+        want = oj.decode_attention(q, c, implementation="xla")  # = the planar cache's
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err

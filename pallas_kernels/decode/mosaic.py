@@ -1,10 +1,12 @@
 """INT2 split-K decode attention in Pallas Mosaic GPU (Hopper, sm_90): an experimental kernel.
 
-Not a backend of ``oscar_jax.backends`` yet: it reads the cache in its own "record" layout
-(below), which the encoder does not write; ``decode_attention_mosaic`` converts a
-``KVCache`` on every call (exact, but it reads and writes the whole quantized part), so it
-serves to check the kernel against the library's reference, not for speed. The kernel's
-own timings and where its time goes: BENCHMARKS.md, "Mosaic GPU decode (experimental)".
+The "mosaic" backend of ``oscar_jax.decode_attention`` (``mosaic_backend``): it reads the
+"record" layout (below; ``oscar_jax.record``), which a cache of
+``KVQuantConfig(layout="record")`` holds natively (prefill and the decode-time flushes write
+it), so a call reads the cache as it is. A planar cache is refused, or converted on every
+call with ``decode_attention_mosaic(..., convert=True)`` (exact, but it reads and writes the
+whole quantized part: a check of the kernel, not for speed). The kernel's own timings and
+where its time goes: BENCHMARKS.md, "Mosaic GPU decode (experimental)".
 Covered: INT2, head_dim 128, G = 32, 16-bit parameters, GQA ratio <= 16, per-head or
 per-token norms (``unsupported_reason``). The kernels need jax >= 0.11.2; the layout
 functions run on any backend. Entry points:
@@ -815,58 +817,74 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
 
 
 # ----------------------------------------------------------------------------------
-# The library's cache in, the library's output out (a check of the kernel, not a backend)
+# The library's cache in, the library's output out (the "mosaic" decode backend)
 # ----------------------------------------------------------------------------------
 def unsupported_reason(cache) -> str | None:
     """Why ``decode_attention_mosaic`` cannot take this cache (None: it can)."""
-    cfg = cache.cfg
-    if not cfg.quantized or cfg.bits != 2:
-        return f"bits={cfg.bits} must be 2 (INT2) for the Mosaic kernel"
-    if cache.head_dim != D or cfg.group_size != G:
-        return f"head_dim={cache.head_dim}, group_size={cfg.group_size} must be {D}, {G}"
-    if cfg.value_group(cache.head_dim) != G:
-        return f"the value group must be {G} channels"
-    if jnp.dtype(cfg.scale_dtype) not in (jnp.float16, jnp.bfloat16):
-        return f"param_dtype={cfg.param_dtype} must be float16 or bfloat16"
+    why = cache.cfg.record_reason(cache.head_dim)
+    if why is not None:
+        return f"the Mosaic kernel needs {why}"
     if cache.quant_capacity == 0:
         return "the cache has no quantized part"
     return None
 
 
 def kernel_inputs(cache, *, block_tokens: int = 256):
-    """What the kernel reads of ``cache``: (rec, kn) in the record layout
-    (``fragment_layout``, exact), nq [B] int32 quantized tokens per row, ring_valid [B, S]
-    bool (the ring slots holding tokens)."""
-    pdt = jnp.dtype(cache.cfg.scale_dtype)
-    rec, kn = fragment_layout(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm,
-                              cache.v_codes, cache.v_scale, cache.v_zero, param_dtype=pdt,
-                              block_tokens=block_tokens)  # fmt: skip
+    """What the kernel reads of ``cache``: (rec, kn) in the record layout, nq [B] int32
+    quantized tokens per row, ring_valid [B, S] bool (the ring slots holding tokens).
+
+    A layout='record' cache is read as it is (``cache.rec``, ``cache.kn``; block_tokens must
+    divide its capacity); a planar one is converted (``fragment_layout``, exact, but it
+    reads and writes the whole quantized part)."""
+    if cache.cfg.layout == "record":
+        if cache.quant_capacity % block_tokens:
+            raise ValueError(
+                f"block_tokens={block_tokens} must divide the record cache's quantized "
+                f"capacity {cache.quant_capacity}"
+            )
+        rec, kn = cache.rec, cache.kn
+    else:
+        pdt = jnp.dtype(cache.cfg.scale_dtype)
+        rec, kn = fragment_layout(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm,
+                                  cache.v_codes, cache.v_scale, cache.v_zero, param_dtype=pdt,
+                                  block_tokens=block_tokens)  # fmt: skip
     nq = cache.num_quantized().astype(jnp.int32)
     _, ring_valid = _residual_tokens(nq, cache.lengths, cache.slots)
     return rec, kn, nq, ring_valid
 
 
 def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConfig = None,
-                            merge: str = "xla"):  # fmt: skip
+                            merge: str = "auto", convert: bool = False):  # fmt: skip
     """``oscar_jax.decode_attention`` of q [B, Hq, D] over ``cache`` by the Mosaic kernel.
 
-    Converts the cache to the record layout first (``fragment_layout``), rotates the query
-    and merges the ring: ``merge="xla"`` by ``merge_partials_with_ring``, ``"mosaic"`` by the
-    second Mosaic launch (``int2_decode_attention_2launch``; values must not be rotated).
-    NaN for FLAG_NONFINITE rows as the library's attention. ValueError for a cache
-    ``unsupported_reason`` names.
+    The cache must have layout='record' (``KVQuantConfig.layout``): the kernel reads its
+    records as they are. ``convert=True`` takes a planar cache too and converts it on every
+    call (exact, but it reads and writes the whole quantized part: a check of the kernel,
+    not for speed). The query is rotated in XLA; the ring and the merge: ``merge="xla"`` by
+    ``merge_partials_with_ring``, ``"mosaic"`` by the second Mosaic launch
+    (``int2_decode_attention_2launch``; values must not be rotated), ``"auto"`` the second
+    launch where values are unrotated, else XLA. NaN for FLAG_NONFINITE rows as the
+    library's attention. ValueError for a cache ``unsupported_reason`` names.
     """
     reason = unsupported_reason(cache)
     if reason is not None:
         raise ValueError(f"decode_attention_mosaic: {reason}")
-    if merge not in ("xla", "mosaic"):
-        raise ValueError(f"{merge=} must be 'xla' or 'mosaic'")
+    if cache.cfg.layout != "record" and not convert:
+        raise ValueError(
+            f"decode_attention_mosaic reads a cache of layout='record'; this one has "
+            f"layout={cache.cfg.layout!r} (make it with KVQuantConfig(layout='record'), or "
+            "pass convert=True to convert it on every call)"
+        )
+    if merge not in ("auto", "xla", "mosaic"):
+        raise ValueError(f"{merge=} must be 'auto', 'xla' or 'mosaic'")
     g = att.check_query(q, cache)
     if g > NPAD:
         raise ValueError(f"GQA ratio g={g} must be <= {NPAD} for the Mosaic kernel")
     kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
     if merge == "mosaic" and kcfg.rotate_values:
         raise ValueError("merge='mosaic' needs values stored unrotated (rotate_values=False)")
+    if merge == "auto":
+        merge = "xla" if kcfg.rotate_values else "mosaic"
     pdt = jnp.dtype(kcfg.scale_dtype)
     cfg = cfg or Int2DecodeConfig()
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)

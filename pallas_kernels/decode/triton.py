@@ -58,6 +58,7 @@ from oscar_jax.attention import (
     poison_flagged_rows,
     residual_partial,
 )
+from oscar_jax.cache import check_layout
 from pallas_kernels.decode import bf16 as decode_bf16
 from pallas_kernels.decode import merge as decode_merge
 from pallas_kernels.decode.config import choose_config
@@ -76,6 +77,7 @@ def decode_attention_triton(q, cache, *, softmax_scale=None, **options):
     """``decode_attention(..., implementation="triton")``; options: DecodeConfig fields.
     Rows with ``FLAG_NONFINITE`` come back NaN (in the merge kernel where it runs)."""
     g = check_query(q, cache)
+    check_layout(cache, "planar", "implementation='triton'")
     kcfg = cache.cfg
     b, hq, d = q.shape
     h = cache.num_kv_heads
@@ -158,6 +160,7 @@ def quantized_partial_triton(q_rot, cache, scale, *, offset=0, **options):
     A ``bf16`` cache (all tokens in the ring, no rotation) runs the BF16 kernel over its
     ring slots offset.. instead: clip(length - offset, 0, slots) of them.
     """
+    check_layout(cache, "planar", "implementation='triton'")
     kcfg = cache.cfg
     b, h, g, d = q_rot.shape
     if d not in (64, 128, 256):
