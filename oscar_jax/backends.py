@@ -34,7 +34,7 @@ TABLES: dict[str, dict[str, Callable | str]] = {
     "decode_attention": {
         "xla": "oscar_jax.attention:decode_attention_xla",
         "triton": "pallas_kernels.decode.triton:decode_attention_triton",
-        "mosaic": "pallas_kernels.decode.mosaic_backend:decode_attention",
+        "mosaic": "pallas_kernels.decode.mosaic.backend:decode_attention",
     },
     # one sequence shard's quantized part (oscar_jax.sharding):
     # fn(q_rot [b, h, g, d], cache, scale, *, offset=0, **options) -> (acc, m, l)

@@ -1,0 +1,108 @@
+"""INT2 split-K decode attention in Pallas Mosaic GPU (Hopper, sm_90): an experimental kernel.
+
+The "mosaic" backend of ``oscar_jax.decode_attention`` (``backend``): it reads the
+"record" layout (below; ``oscar_jax.record``), which a cache of
+``KVQuantConfig(layout="record")`` holds natively (prefill and the decode-time flushes write
+it), so a call reads the cache as it is. A planar cache is refused, or converted on every
+call with ``decode_attention_mosaic(..., convert=True)`` (exact, but it reads and writes the
+whole quantized part: a check of the kernel, not for speed). The kernel's own timings and
+where its time goes: BENCHMARKS.md, "Mosaic GPU decode (experimental)".
+Covered: INT2, head_dim 128, G = 32, 16-bit parameters, GQA ratio <= 16, per-head or
+per-token norms (``unsupported_reason``). The kernels need jax >= 0.11.2; the layout
+functions run on any backend. Modules: ``_config`` (``Int2DecodeConfig``), ``_dequant``
+(in-register unpack into wgmma fragments), ``_kernel`` (the split-K partials), ``_merge`` (the
+ring and LSE merge, in XLA or a second launch), ``_cache`` (the cache in, the output out),
+``backend`` (the backend table's entry; fails to import where the kernel cannot run). Entry
+points (the record layout itself: ``oscar_jax.record``):
+
+  * ``fragment_layout(k_codes, k_scale, k_zero, k_norm, v_codes, v_scale, v_zero, *,
+    param_dtype, block_tokens) -> (rec, kn)``: planar cache arrays -> this kernel's layout
+    (exact); ``fragment_layout_inverse(rec, kn, lq, *, param_dtype)`` its inverse.
+  * ``int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+    cfg, softmax_scale, param_dtype) -> [B, H, g, 128]``: the decode call in two Mosaic
+    GPU launches (split-K partials; ring + LSE merge) plus two small XLA fusions (query
+    prep, output transpose). Values must be in the original basis (no run-time un-rotation).
+  * ``int2_decode_attention(...same..., unrotate=None)``: the partials kernel + the ring
+    and merge in XLA (~10 small fusions), with an optional value un-rotation.
+  * ``int2_decode_partials(q_rot, rec, kn, nq, *, cfg, ...) -> (acc, m, l)``: the kernel
+    alone (split partials, log2 units), e.g. for sequence-sharded callers.
+
+Math (per batch row b, KV head h, query head i of its GQA group; rotated basis):
+  key   k_t[c] = norm_t * (code_k[t, c] * ks[t // G, c] + kz[t // G, c])
+  value v_t[c] = code_v[t, c] * vs[t, c // G] + vz[t, c // G]
+  s_t = q_i . k_t * softmax_scale;  out = sum_t softmax(s)_t v_t   (ring merged by LSE)
+
+Kernel design (one CTA = one warpgroup of 128 threads = one (b, h, split)):
+  * Tokens are the wgmma M dimension (64 per tile), the GQA query heads the N dimension
+    (padded to 16: a 16-bit B operand in shared memory needs N >= 16 in Mosaic GPU).
+    Keys: S^T[64, 16] = K[64 tok, D] @ Q^T[D, 16] (m64n16k16 x 8); values:
+    O^T[D, 16] += V^T[D, 64 tok] @ P^T[64 tok, 16] (two M = 64 channel halves for D = 128;
+    P^T goes registers -> shared memory -> wgmma B operand).
+  * The A operands (K, V^T) are dequantized in registers straight into the wgmma
+    register-fragment layout: each thread reads its own 16 bytes of codes (one LDS.128)
+    and turns them into f16x2 / bf16x2 pairs by shift, AND/OR onto the magic number
+    (0x6400 f16 = 1024, 0x4300 bf16 = 128), subtract the magic (exact), one FMA with the
+    scale/zero pair. No layout conversion, no shared-memory round trip of the operand.
+  * The cache is read as one "record" per 64 tokens (codes + scales + zeros of K and V,
+    1600 uint32 words, permuted at quantize time so that every thread's parameters are
+    16-byte vectors) plus a f32 norm vector: two TMA copies per block, pipelined by
+    ``plgpu.emit_pipeline``.
+  * Online softmax (base 2, log2(e) folded into the query) per block of ``block_tokens``;
+    the row sums are kept per element and reduced once at the end.
+
+Record layout of one 64-token tile (uint32 words; "tid" is the thread of the warpgroup,
+w = tid // 32 its warp, l = tid % 32 its lane, j = l % 4):
+  [0, 512)      K codes: word 4 tid + i, bits 2p + 16e, p = 2 (cb % 4) + rh, i = cb // 4,
+                holds code of token 16 w + l // 4 + 8 rh, channel 8 cb + 2 j + e
+                (cb in 0..15, rh, e in 0..1)
+  [512, 1024)   V codes: word 512 + 4 tid + 2 mt + cb // 4, bits 2p + 16e, p = 2 (cb % 4) + rh,
+                holds code of channel 64 mt + 16 w + l // 4 + 8 rh, token 8 cb + 2 j + e
+                (mt in 0..1, cb in 0..7)
+  [1024, 1280)  K params, 16-bit values two to a word (position 2i in the low half of
+                word i, 2i + 1 in the high half): [group g in 0..1][scale, zero][128
+                positions], channel 8 cb + 2 j + e of token group 2 n + g at position
+                32 j + 2 cb + e, i.e. word 1024 + 128 g + 64 sz + 16 j + cb, half e
+  [1280, 1536)  V params, same packing: [chunk c in 0..1 (32 tokens)][scale, zero]
+                [value group 0..3][32 positions], token 32 c + 16 kk + 2 j + (0, 1, 8, 9)[e']
+                at position 8 j + 4 kk + e', i.e. token 8 cb + 2 j + e of group grp at word
+                1280 + 64 (2 (cb // 4) + sz) + 16 grp + 4 j + cb % 4, half e
+  [1536, 1600)  zero (pad: 1600 = 25 x 64 words, the TMA box is <= 256 per dimension)
+Norms: kn [B, H, Lp] float32 (token norm, 0 past Lq). nq [B] int32: the quantized tokens of
+each row (any 0 <= nq <= Lp; tokens >= nq are masked).
+Head_dim 128, G = 32 (key token groups and value channel groups), 16-bit parameters
+(float16 or bfloat16, the dequantization dtype follows them) only.
+"""
+
+from oscar_jax.record import (
+    OFFSETS,
+    TILE,
+    WORDS,
+    D,
+    G,
+    fragment_layout,
+    fragment_layout_inverse,
+    pack_planar,
+    unpack_planar,
+)
+from pallas_kernels.decode.mosaic._cache import (
+    decode_attention_mosaic,
+    kernel_inputs,
+    unsupported_reason,
+)
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
+from pallas_kernels.decode.mosaic._merge import (
+    int2_decode_attention,
+    int2_decode_attention_2launch,
+    int2_merge_ring,
+    merge_partials_with_ring,
+    merge_step_for,
+)
+
+__all__ = [
+    "D", "G", "LOG2E", "NPAD", "OFFSETS", "TILE", "WORDS", "Int2DecodeConfig",
+    "decode_attention_mosaic", "fragment_layout", "fragment_layout_inverse",
+    "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_partials",
+    "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring", "merge_step_for",
+    "pack_planar", "unpack_planar", "unsupported_reason",
+]  # fmt: skip

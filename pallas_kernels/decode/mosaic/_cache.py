@@ -1,0 +1,95 @@
+"""The library's cache in, the library's output out: the "mosaic" decode backend's call."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from oscar_jax import attention as att
+from oscar_jax import hadamard
+from oscar_jax.cache import _residual_tokens
+from oscar_jax.record import D, fragment_layout
+from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._merge import int2_decode_attention, int2_decode_attention_2launch
+
+
+def unsupported_reason(cache) -> str | None:
+    """Why ``decode_attention_mosaic`` cannot take this cache (None: it can)."""
+    why = cache.cfg.record_reason(cache.head_dim)
+    if why is not None:
+        return f"the Mosaic kernel needs {why}"
+    if cache.quant_capacity == 0:
+        return "the cache has no quantized part"
+    return None
+
+
+def kernel_inputs(cache, *, block_tokens: int = 256):
+    """What the kernel reads of ``cache``: (rec, kn) in the record layout, nq [B] int32
+    quantized tokens per row, ring_valid [B, S] bool (the ring slots holding tokens).
+
+    A layout='record' cache is read as it is (``cache.rec``, ``cache.kn``; block_tokens must
+    divide its capacity); a planar one is converted (``fragment_layout``, exact, but it
+    reads and writes the whole quantized part)."""
+    if cache.cfg.layout == "record":
+        if cache.quant_capacity % block_tokens:
+            raise ValueError(
+                f"block_tokens={block_tokens} must divide the record cache's quantized "
+                f"capacity {cache.quant_capacity}"
+            )
+        rec, kn = cache.rec, cache.kn
+    else:
+        pdt = jnp.dtype(cache.cfg.scale_dtype)
+        rec, kn = fragment_layout(cache.k_codes, cache.k_scale, cache.k_zero, cache.k_norm,
+                                  cache.v_codes, cache.v_scale, cache.v_zero, param_dtype=pdt,
+                                  block_tokens=block_tokens)  # fmt: skip
+    nq = cache.num_quantized().astype(jnp.int32)
+    _, ring_valid = _residual_tokens(nq, cache.lengths, cache.slots)
+    return rec, kn, nq, ring_valid
+
+
+def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConfig = None,
+                            merge: str = "auto", convert: bool = False):  # fmt: skip
+    """``oscar_jax.decode_attention`` of q [B, Hq, D] over ``cache`` by the Mosaic kernel.
+
+    The cache must have layout='record' (``KVQuantConfig.layout``): the kernel reads its
+    records as they are. ``convert=True`` takes a planar cache too and converts it on every
+    call (exact, but it reads and writes the whole quantized part: a check of the kernel,
+    not for speed). The query is rotated in XLA; the ring and the merge: ``merge="xla"`` by
+    ``merge_partials_with_ring``, ``"mosaic"`` by the second Mosaic launch
+    (``int2_decode_attention_2launch``; values must not be rotated), ``"auto"`` the second
+    launch where values are unrotated, else XLA. NaN for FLAG_NONFINITE rows as the
+    library's attention. ValueError for a cache ``unsupported_reason`` names.
+    """
+    reason = unsupported_reason(cache)
+    if reason is not None:
+        raise ValueError(f"decode_attention_mosaic: {reason}")
+    if cache.cfg.layout != "record" and not convert:
+        raise ValueError(
+            f"decode_attention_mosaic reads a cache of layout='record'; this one has "
+            f"layout={cache.cfg.layout!r} (make it with KVQuantConfig(layout='record'), or "
+            "pass convert=True to convert it on every call)"
+        )
+    if merge not in ("auto", "xla", "mosaic"):
+        raise ValueError(f"{merge=} must be 'auto', 'xla' or 'mosaic'")
+    g = att.check_query(q, cache)
+    if g > NPAD:
+        raise ValueError(f"GQA ratio g={g} must be <= {NPAD} for the Mosaic kernel")
+    kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
+    if merge == "mosaic" and kcfg.rotate_values:
+        raise ValueError("merge='mosaic' needs values stored unrotated (rotate_values=False)")
+    if merge == "auto":
+        merge = "xla" if kcfg.rotate_values else "mosaic"
+    pdt = jnp.dtype(kcfg.scale_dtype)
+    cfg = cfg or Int2DecodeConfig()
+    rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
+    qg = q.astype(jnp.float32).reshape(b, h, g, D)
+    q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
+    if merge == "mosaic":
+        out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
+                                            ring_valid, cfg=cfg, softmax_scale=softmax_scale,
+                                            param_dtype=pdt)  # fmt: skip
+    else:
+        unrot = (lambda x: hadamard.unrotate(x, kcfg)) if kcfg.rotate_values else None
+        out = int2_decode_attention(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
+                                    ring_valid, cfg=cfg, softmax_scale=softmax_scale,
+                                    param_dtype=pdt, unrotate=unrot)  # fmt: skip
+    return att.poison_flagged_rows(out.reshape(q.shape).astype(q.dtype), cache)

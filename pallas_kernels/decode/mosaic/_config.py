@@ -1,0 +1,91 @@
+"""The Mosaic GPU INT2 decode kernel's constants and tuning (``Int2DecodeConfig``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from oscar_jax.record import OFFSETS, TILE
+
+NPAD = 16  # GQA query heads padded to the wgmma N (16-bit B operands need N >= 16)
+_KC, _VC, _KP, _VP = OFFSETS
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class Int2DecodeConfig:
+    """Tuning of the kernel (validated; frozen so it can be a static jit argument).
+
+    The defaults are the fastest configuration measured at 1 x 128K on the H200 (in-place
+    unpack by one LOP3, overlapped key wgmma, 8 splits a merge step; BENCHMARKS.md).
+
+    block_tokens: tokens per pipeline step (a multiple of 64).
+    splits: split-K programs per (b, h) row; None: chosen so that B * H * splits fills
+      the GPU about ``waves`` times; ``waves=None`` balances rounds of ``ctas_per_sm``
+      resident programs an SM (``num_splits``).
+    max_concurrent_steps: TMA pipeline depth.
+    stage: "full" (the kernel), "keys" (key path + softmax only, no value dequant/wgmma;
+      for timing), "stream" (the TMA pipeline + the code words XOR-folded; for timing),
+      "dequant" (K and V dequantized as in "full" but XOR-folded: no wgmma, no softmax),
+      "nofma" (as "full" without the magic subtraction and the scale/zero FMA: wrong values,
+      timing only).
+    auto_barriers: False sets Mosaic's ``unsafe_no_auto_barriers`` (no warpgroup barrier
+      around every shared-memory store / async copy; the kernel's own ordering is: P stores
+      -> commit_smem (fence + barrier) -> wgmma; a pipeline slot is refilled only after the
+      issuing warp waited on the block's last wgmma, which follows every read of the slot).
+    split_operands: dequantize K in two K = 64 halves and V^T one channel half at a time
+      (fewer live registers, more wgmma issues; measured slower, kept for experiments).
+    merge_step: at most this many splits the merge launch combines a pipeline step (the
+      largest divisor of the split count, ``merge_step_for``).
+    reduction_scratch: shared-memory bytes Mosaic reserves for cross-warp reductions (the
+      softmax max of a block).
+    overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the
+      dequant of subtile j+1 overlaps the wgmma of subtile j (False: wait after each).
+    """
+
+    block_tokens: int = 256
+    splits: int | None = None
+    waves: int | None = None
+    ctas_per_sm: int = 2
+    max_concurrent_steps: int = 3
+    stage: str = "full"
+    auto_barriers: bool = False
+    split_operands: bool = False
+    overlap_keys: bool = True
+    unpack: str = "lop3"
+    merge_step: int = 8
+    reduction_scratch: int = 2048
+
+    def __post_init__(self):
+        if self.block_tokens % TILE or self.block_tokens <= 0:
+            raise ValueError(
+                f"block_tokens={self.block_tokens} must be a positive multiple of {TILE}"
+            )
+        if self.splits is not None and self.splits < 1:
+            raise ValueError(f"splits={self.splits} must be >= 1")
+        if self.max_concurrent_steps < 1:
+            raise ValueError("max_concurrent_steps must be >= 1")
+        if self.stage not in ("full", "keys", "stream", "dequant", "nofma"):
+            raise ValueError(f"stage={self.stage!r}")
+        if self.merge_step < 1:
+            raise ValueError(f"merge_step={self.merge_step} must be >= 1")
+        if self.unpack not in ("shift", "lop", "lop3"):
+            raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
+
+    def num_splits(self, b: int, h: int, capacity: int, num_sms: int = 132) -> int:
+        """Split-K programs per (b, h) row.
+
+        ``waves`` set: about ``waves`` x num_sms programs in all. ``waves=None`` (default):
+        the kernel holds ``ctas_per_sm`` programs an SM at once (its ~250 registers a
+        thread allow 2), so B H s programs run in ceil(B H s / (ctas_per_sm num_sms))
+        rounds and a row's time goes as rounds / s: the smallest s within 5% of the best
+        rounds / s over s <= min(blocks, 64) (few splits: a cheaper merge)."""
+        nblk = max(1, -(-capacity // self.block_tokens))
+        if self.splits is not None:
+            return min(self.splits, nblk)
+        if self.waves is not None:
+            want = max(1, -(-(self.waves * num_sms) // (b * h)))
+            return min(want, nblk)
+        slots = self.ctas_per_sm * num_sms
+        cost = {s: -(-(b * h * s) // slots) / s for s in range(1, min(nblk, 64) + 1)}
+        best = min(cost.values())
+        return min(s for s, c in cost.items() if c <= 1.05 * best)

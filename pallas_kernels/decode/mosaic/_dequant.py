@@ -1,0 +1,193 @@
+"""In-register dequantization of a record into wgmma fragments (``inline_mgpu`` bodies)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax.record import TILE, D
+from pallas_kernels.decode.mosaic._config import _KP, _VC, _VP
+
+
+def _dequant_fns(pdt, no_fma=False, unpack="shift"):
+    """inline_mgpu bodies: record smem ref -> K [64, 128] / V^T halves [64, 64] fragments."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, llvm, vector
+    from jax.experimental import pallas as pl  # noqa: F401
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    is_f16 = pdt == jnp.float16
+    magic = 0x6400 if is_f16 else 0x4300
+
+    def ctypes():
+        i32 = ir.IntegerType.get_signless(32)
+        ft = ir.F16Type.get() if is_f16 else ir.BF16Type.get()
+        return i32, ft, ir.VectorType.get((2,), ft), ir.VectorType.get((4,), i32)
+
+    def c32(v):
+        i32 = ir.IntegerType.get_signless(32)
+        return arith.constant(i32, ir.IntegerAttr.get(i32, v))
+
+    def idx(v):
+        return (
+            arith.constant(ir.IndexType.get(), v)
+            if isinstance(v, int)
+            else arith.index_cast(ir.IndexType.get(), v)
+        )
+
+    def load4(ref, row, word):  # vector<4xi32> at word ``word`` of record ``row`` ([n, 25, 64])
+        _, _, _, v4 = ctypes()
+        if isinstance(word, int):
+            hi, lo = idx(word >> 6), idx(word & 63)
+        else:
+            hi, lo = idx(arith.shrui(word, c32(6))), idx(arith.andi(word, c32(63)))
+        return vector.load(v4, ref, [idx(row), hi, lo])
+
+    def words(vec4):
+        return [vector.extract(vec4, [], [k]) for k in range(4)]
+
+    def tids():
+        tid = arith.remui(mu.thread_idx(), c32(128))
+        w = arith.divui(tid, c32(32))
+        lane = arith.remui(tid, c32(32))
+        j = arith.remui(lane, c32(4))
+        return tid, w, j
+
+    # Planes a 16-bit half holds below the magic's exponent without a shift ("lop" unpack):
+    # the f16 mantissa has 10 bits (codes at bits 0..9: planes 0..4), bf16's 7 (planes 0..2).
+    span = 5 if is_f16 else 3
+    shifted = {}  # (id of the word, shift) -> the word shifted right, one SHF per word
+
+    def plane_src(word, p):
+        """(word to mask, plane within it): one shift per ``span`` planes."""
+        if unpack == "shift":
+            return (arith.shrui(word, c32(2 * p)) if p else word), 0
+        k, q = divmod(p, span)
+        if k == 0:
+            return word, q
+        key = (id(word), k)
+        if key not in shifted:
+            shifted[key] = (word, arith.shrui(word, c32(2 * span * k)))  # keep word alive
+        return shifted[key][1], q
+
+    def unpack_pair(word, p, scale, zero):
+        """(code at bits 2p, code at bits 16 + 2p) of ``word`` -> x2 = code * scale + zero.
+
+        "shift": shift the plane down, OR the magic on (1024 + code or 128 + code, exact),
+        subtract the magic, FMA. "lop": mask the plane in place (1024 + code 4^q, exact for
+        q < span), one FMA with exact constants back to the code (code = x 4^-q - 1024 4^-q,
+        an integer), FMA: no shift for most planes."""
+        i32, ft, v2, _ = ctypes()
+        src, q = plane_src(word, p)
+        mask = 0x00030003 << (2 * q)
+        if unpack == "lop3":  # one LOP3: ptxas splits LLVM's and + or of two constants
+            x = llvm.inline_asm(
+                i32, [src], f"lop3.b32 $0, $1, {mask}, {magic | (magic << 16)}, 0xea;", "=r,r"
+            )
+        else:
+            x = arith.ori(arith.andi(src, c32(mask)), c32(magic | (magic << 16)))
+        xv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), x))
+
+        def splat(v):
+            return arith.constant(v2, ir.DenseElementsAttr.get_splat(v2, ir.FloatAttr.get(ft, v)))
+
+        base = 1024.0 if is_f16 else 128.0
+        if no_fma:  # ablation (timing only): magic-biased codes, no scale / zero
+            return xv
+        if q == 0:
+            xv = arith.subf(xv, splat(base))
+        else:
+            xv = _fma(xv, splat(4.0**-q), splat(-base * 4.0**-q))
+        sv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), scale))
+        zv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), zero))
+        return _fma(xv, sv, zv)
+
+    def _fma(a, b, c):
+        return llvm.intr_fma(a, b, c) if hasattr(llvm, "intr_fma") else arith.addf(
+            arith.mulf(a, b), c)  # fmt: skip
+
+    def key_frag(ctx, rec_ref, row, half=None):
+        """K tile (tokens x channels) of record ``row`` of ``rec_ref`` [n, 25, 64] uint32:
+        [64, 128], or with ``half`` in (0, 1) its channels 64 half.. (fewer live registers)."""
+        shifted.clear()
+        tid, w, j = tids()
+        cw = words(load4(rec_ref, row, arith.muli(tid, c32(4))))
+        g = arith.divui(w, c32(2))
+        base = arith.addi(c32(_KP), arith.muli(g, c32(128)))
+        sbase = arith.addi(base, arith.muli(j, c32(16)))
+        zbase = arith.addi(sbase, c32(64))
+        cbs = range(16) if half is None else range(8 * half, 8 * half + 8)
+        ks_ = sorted({cb // 4 for cb in cbs})
+        sw, zw = {}, {}
+        for k in ks_:
+            for n, x in enumerate(words(load4(rec_ref, row, arith.addi(sbase, c32(4 * k))))):
+                sw[4 * k + n] = x
+            for n, x in enumerate(words(load4(rec_ref, row, arith.addi(zbase, c32(4 * k))))):
+                zw[4 * k + n] = x
+        layout = fa.WGMMA_LAYOUT
+        width = D if half is None else D // 2
+        regs = np.empty(layout.registers_shape((TILE, width)), dtype=object)
+        for cb in cbs:
+            for rh in range(2):
+                p = 2 * (cb % 4) + rh
+                regs[0, cb - cbs[0], 0, 0, rh, 0, 0, 0, 0] = unpack_pair(
+                    cw[cb // 4], p, sw[cb], zw[cb]
+                )
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    def value_frags(ctx, rec_ref, row, mts=(0, 1)):
+        """V^T tiles (channels x tokens) [64, 64] for the channel halves ``mts``."""
+        shifted.clear()
+        tid, w, j = tids()
+        cw = words(load4(rec_ref, row, arith.addi(c32(_VC), arith.muli(tid, c32(4)))))
+        layout = fa.WGMMA_LAYOUT
+        outs = []
+        for mt in mts:
+            g = arith.addi(c32(2 * mt), arith.divui(w, c32(2)))
+            pw = {}
+            for c in range(2):
+                for sz in range(2):
+                    off = arith.addi(c32(_VP + (c * 2 + sz) * 64 + 0), arith.addi(
+                        arith.muli(g, c32(16)), arith.muli(j, c32(4))))  # fmt: skip
+                    pw[c, sz] = words(load4(rec_ref, row, off))
+            regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
+            for cb in range(8):
+                c = cb // 4
+                for rh in range(2):
+                    p = 2 * (cb % 4) + rh
+                    regs[0, cb, 0, 0, rh, 0, 0, 0, 0] = unpack_pair(
+                        cw[2 * mt + cb // 4], p, pw[c, 0][cb % 4], pw[c, 1][cb % 4])  # fmt: skip
+            outs.append(mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None))
+        return tuple(outs)
+
+    def stream_touch(ctx, rec_ref, row):
+        """Stage 'stream': XOR of this thread's K and V code words (keeps the loads live)."""
+        tid, w, j = tids()
+        a = words(load4(rec_ref, row, arith.muli(tid, c32(4))))
+        bw = words(load4(rec_ref, row, arith.addi(c32(_VC), arith.muli(tid, c32(4)))))
+        x = a[0]
+        for v in a[1:] + bw:
+            x = arith.xori(x, v)
+        layout = fa.WGStridedFragLayout((128,), 1)
+        i32 = ir.IntegerType.get_signless(32)
+        regs = np.array([vector.broadcast(ir.VectorType.get((1,), i32), x)], dtype=object)
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=False)
+
+    def dequant_touch(ctx, rec_ref, row):
+        """Stage 'dequant' (ablation): K and V^T dequantized as in 'full', folded by XOR
+        instead of fed to wgmma (no MMA, no softmax)."""
+        i32 = ir.IntegerType.get_signless(32)
+        regs = list(key_frag(ctx, rec_ref, row).registers.flat)
+        for v in value_frags(ctx, rec_ref, row):
+            regs += list(v.registers.flat)
+        x = None
+        for r in regs:
+            r32 = vector.extract(vector.bitcast(ir.VectorType.get((1,), i32), r), [], [0])
+            x = r32 if x is None else arith.xori(x, r32)
+        layout = fa.WGStridedFragLayout((128,), 1)
+        out = np.array([vector.broadcast(ir.VectorType.get((1,), i32), x)], dtype=object)
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=False)
+
+    return key_frag, value_frags, stream_touch, dequant_touch

@@ -1,0 +1,232 @@
+"""The split-K partials kernel: one CTA per (row, KV head, split) over the records."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax.record import TILE, WORDS, D
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._dequant import _dequant_fns
+
+
+def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
+                         softmax_scale=None, param_dtype=jnp.float16):  # fmt: skip
+    """See ``_partials_raw``; returns acc [B, H, S, 128, 16], m [B, H, S, 16], l [B, H, S, 16]."""
+    acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
+                            param_dtype=param_dtype)  # fmt: skip
+    b, h, s = acc.shape[:3]
+    return acc.reshape(b, h, s, D, NPAD), ml[..., 0, :], ml[..., 1, :]
+
+
+def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
+                  softmax_scale=None, param_dtype=jnp.float16):  # fmt: skip
+    """Split-K partials of the quantized part.
+
+    q_rot [B, H, g, 128] (rotated query, g <= 8 query heads per KV head, any float dtype);
+    rec [B, H, Lp/64, 1600] uint32, kn [B, H, Lp] f32 (``fragment_layout``);
+    nq [B] int32 quantized tokens per row (0 <= nq <= Lp).
+    Returns acc [B, H, S, 128, 8] f32 (unnormalised O^T), m [B, H, S, 8] f32 (running max
+    of the scores in log2 units; -inf-like -1e30 for an empty split), l [B, H, S, 8] f32.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, h, g, d = q_rot.shape
+    assert d == D and g <= NPAD, q_rot.shape
+    _, _, nrec, words = rec.shape
+    assert words == WORDS and rec.shape[:2] == (b, h)
+    lp = nrec * TILE
+    bt = cfg.block_tokens
+    assert lp % bt == 0, (lp, bt)
+    nsub = bt // TILE
+    nblk_total = lp // bt
+    s = cfg.num_splits(b, h, lp)
+    bps = -(-nblk_total // s)
+    s = -(-nblk_total // bps)
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    pdt = jnp.dtype(param_dtype)
+    qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
+    qt = jnp.swapaxes(qt, -1, -2).astype(pdt)  # [B, H, 128, 8]
+    key_frag, value_frags, stream_touch, dequant_touch = _dequant_fns(
+        pdt, no_fma=cfg.stage == "nofma", unpack=cfg.unpack
+    )
+    f32 = jnp.float32
+    NEG = -1e30
+    b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    WG = plgpu.Layout.WGMMA
+    stage = "full" if cfg.stage == "nofma" else cfg.stage
+
+    def kernel(q_ref, rec_ref, kn_ref, nq_ref, acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem,
+               q_bar):  # fmt: skip
+        bi = jax.lax.axis_index("b")
+        hi = jax.lax.axis_index("h")
+        si = jax.lax.axis_index("s")
+        nqv = nq_ref[bi]
+        start_blk = si * bps
+        nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        def body(idxs, r_smem, n_smem, carry):
+            (it,) = idxs
+            m_prev, l_acc, o0, o1 = carry
+            t_base = (start_blk + it) * bt
+            if stage in ("stream", "dequant"):
+                touch = stream_touch if stage == "stream" else dequant_touch
+                x = None
+                for jt in range(nsub):
+                    strided = plgpu.Layout.WG_STRIDED((128,), 1)
+                    y = plgpu.inline_mgpu(
+                        arg_types=(plgpu.RefType(),),
+                        return_type=plgpu.ShapeDtypeStruct((128,), jnp.uint32, layout=strided),
+                    )(functools.partial(touch, row=jt))(r_smem)  # fmt: skip
+                    x = y if x is None else x ^ y
+                # one cross-warp reduction per block (as the softmax max of 'full')
+                return m_prev, l_acc + jnp.sum((x & 1).astype(jnp.int32)).astype(f32), o0, o1
+
+            def issue_qk(acc_ref, jt):
+                """Dequantize key subtile jt into the fragment layout and issue its wgmma."""
+                if cfg.split_operands:  # two K = 64 halves: fewer live registers
+                    for hf in range(2):
+                        kf = plgpu.inline_mgpu(
+                            arg_types=(plgpu.RefType(),),
+                            return_type=plgpu.ShapeDtypeStruct((TILE, D // 2), pdt, layout=WG),
+                        )(functools.partial(key_frag, row=jt, half=hf))(r_smem)  # fmt: skip
+                        plgpu.wgmma(acc_ref, kf, q_smem.at[pl.ds(hf * (D // 2), D // 2)])
+                else:
+                    kf = plgpu.inline_mgpu(
+                        arg_types=(plgpu.RefType(),),
+                        return_type=plgpu.ShapeDtypeStruct((TILE, D), pdt, layout=WG),
+                    )(functools.partial(key_frag, row=jt))(r_smem)  # fmt: skip
+                    plgpu.wgmma(acc_ref, kf, q_smem)
+
+            def scores(sc, jt):
+                """Raw S^T of subtile jt -> times the token norms, invalid tokens at NEG."""
+                nrm = plgpu.load(n_smem.at[jt], layout=WG.reduce(1))  # [64] f32
+                sc = sc * jax.lax.broadcast_in_dim(nrm, (TILE, NPAD), [0])
+                tok = (
+                    t_base
+                    + jt * TILE
+                    + plgpu.broadcasted_iota(jnp.int32, (TILE, NPAD), 0, layout=WG)
+                )
+                return jnp.where(tok < nqv, sc, NEG)
+
+            if cfg.overlap_keys:  # all key wgmma of the block in flight before one wait
+
+                def qk_all(*acc_refs):
+                    for jt, acc_ref in enumerate(acc_refs):
+                        issue_qk(acc_ref, jt)
+                    plgpu.wgmma_wait(0)
+                    return tuple(a[...] for a in acc_refs)
+
+                raw = pl.run_scoped(qk_all, *[plgpu.ACC((TILE, NPAD), f32) for _ in range(nsub)])
+                ss = [scores(sc, jt) for jt, sc in enumerate(raw)]
+            else:  # one subtile at a time (the measured configuration)
+                ss = []
+                for jt in range(nsub):
+
+                    def qk(acc_ref, jt=jt):
+                        issue_qk(acc_ref, jt)
+                        return acc_ref[...]
+
+                    ss.append(scores(pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32)), jt))
+            mx = ss[0]
+            for sc in ss[1:]:
+                mx = jnp.maximum(mx, sc)
+            m_new = jnp.maximum(m_prev, jnp.max(mx, axis=0))
+            corr = jnp.exp2(m_prev - m_new)
+            corr_b = jax.lax.broadcast_in_dim(corr, (TILE, NPAD), [1])
+            m_b = jax.lax.broadcast_in_dim(m_new, (TILE, NPAD), [1])
+            l_acc = l_acc * corr_b
+            ps = []
+            for sc in ss:
+                p = jnp.exp2(sc - m_b)
+                l_acc = l_acc + p
+                ps.append(p)
+            if stage == "keys":
+                o0 = o0 * corr_b
+                return m_new, l_acc, o0, o1
+            for jt, p in enumerate(ps):
+                p_smem[jt] = p.astype(pdt)
+            plgpu.commit_smem()
+            o0 = o0 * corr_b
+            o1 = o1 * corr_b
+
+            def pv(refs):
+                a0, a1 = refs
+                for jt in range(nsub):
+                    if cfg.split_operands:  # one channel half at a time
+                        for mt, a in ((0, a0), (1, a1)):
+                            (v,) = plgpu.inline_mgpu(
+                                arg_types=(plgpu.RefType(),),
+                                return_type=(plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG),),
+                            )(functools.partial(value_frags, row=jt, mts=(mt,)))(r_smem)
+                            plgpu.wgmma(a, v, p_smem.at[jt])
+                        continue
+                    v0, v1 = plgpu.inline_mgpu(
+                        arg_types=(plgpu.RefType(),),
+                        return_type=(plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG),) * 2,
+                    )(functools.partial(value_frags, row=jt))(r_smem)  # fmt: skip
+                    plgpu.wgmma(a0, v0, p_smem.at[jt])
+                    plgpu.wgmma(a1, v1, p_smem.at[jt])
+
+            o0, o1 = pl.run_state(pv)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
+            return m_new, l_acc, o0, o1
+
+        init = (
+            plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
+            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
+            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
+            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
+        )
+        pipe_specs = [
+            plgpu.BlockSpec((nsub, WORDS // 64, 64), lambda i: (start_blk + i, 0, 0)),
+            plgpu.BlockSpec((nsub, TILE), lambda i: (start_blk + i, 0)),
+        ]
+        pipe = plgpu.emit_pipeline(
+            body,
+            grid=(nblk,),
+            in_specs=pipe_specs,
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            init_carry=init,
+        )
+        m, l_acc, o0, o1 = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])  # rec [n, 25, 64]
+        lsum = jnp.sum(l_acc, axis=0)
+        o_smem[0] = o0
+        o_smem[1] = o1
+        ml_smem[0] = m
+        ml_smem[1] = lsum
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
+        plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
+        plgpu.wait_smem_to_gmem(0)
+
+    out_type = (
+        jax.ShapeDtypeStruct((b, h, s, 2, TILE, NPAD), f32),
+        jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
+    )
+    fn = plgpu.kernel(
+        kernel,
+        out_type=out_type,
+        scratch_types=[
+            plgpu.SMEM((D, NPAD), pdt, transforms=b_tr),
+            plgpu.SMEM((nsub, TILE, NPAD), pdt, transforms=b_tr),
+            plgpu.SMEM((2, TILE, NPAD), f32),
+            plgpu.SMEM((2, NPAD), f32),
+            plgpu.Barrier(num_arrivals=1),
+        ],
+        grid=(b, h, s),
+        grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True,
+            unsafe_no_auto_barriers=not cfg.auto_barriers,
+            reduction_scratch_bytes=cfg.reduction_scratch,
+        ),
+    )
+    rec3 = rec.reshape(b, h, nrec, WORDS // 64, 64)  # TMA boxes are <= 256 per dimension
+    return fn(qt, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32))

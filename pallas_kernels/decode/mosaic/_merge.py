@@ -1,0 +1,243 @@
+"""The ring and the LSE merge of the split partials: in XLA, or as a second Mosaic launch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax.record import TILE, D
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
+
+
+def merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, *, g, softmax_scale=None,
+                             unrotate=None, out_dtype=None):  # fmt: skip
+    """Kernel partials (log2 units) + the full-precision ring -> output [B, H, g, 128].
+
+    acc [B, H, S, 128, NPAD] (O^T), m2 / l [B, H, S, NPAD] as ``int2_decode_partials``;
+    q [B, H, g, 128] (original basis, for the ring); k_res / v_res [B, H, R, 128];
+    ring_valid [B, R] bool; ``unrotate``: maps the quantized part's acc [B, H, g, 128]
+    from the rotated value basis (None: identity).
+    """
+    f32 = jnp.float32
+    d = q.shape[-1]
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    acc = jnp.swapaxes(acc, -1, -2)[..., :g, :]  # [B, H, S, g, D]
+    m2, l = m2[..., :g], l[..., :g]
+    # ring scores in log2 units
+    s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(f32), k_res.astype(f32)) * (scale * LOG2E)
+    valid = ring_valid[:, None, None, :]
+    s = jnp.where(valid, s, -1e30)
+    mr = jnp.max(s, -1)  # [B, H, g]
+    m_all = jnp.maximum(mr, jnp.max(m2, axis=2))
+    pr = jnp.where(valid, jnp.exp2(s - m_all[..., None]), 0.0)
+    ring_acc = jnp.einsum("bhgt,bhtd->bhgd", pr, v_res.astype(f32))
+    w = jnp.exp2(m2 - m_all[:, :, None])  # [B, H, S, g]
+    qacc = jnp.sum(acc * w[..., None], axis=2)
+    if unrotate is not None:
+        qacc = unrotate(qacc)
+    lsum = jnp.sum(pr, -1) + jnp.sum(l * w, axis=2)
+    out = (qacc + ring_acc) / jnp.where(lsum > 0, lsum, 1.0)[..., None]
+    out = jnp.where(lsum[..., None] > 0, out, 0.0)
+    return out.astype(out_dtype or q.dtype)
+
+
+def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+                          cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
+                          param_dtype=jnp.float16, unrotate=None):  # fmt: skip
+    """Decode attention over an INT2 cache in the fragment layout: one Mosaic GPU launch
+    for the quantized tokens, then XLA for the ring and the merge.
+
+    q [B, H, g, 128] original basis, q_rot the rotated query (same shape); rec, kn, nq as
+    ``int2_decode_partials``; k_res, v_res [B, H, R, 128]; ring_valid [B, R].
+    Returns [B, H, g, 128] in q's dtype.
+    """
+    acc, m2, l = int2_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
+                                      param_dtype=param_dtype)  # fmt: skip
+    return merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, g=q.shape[2],
+                                    softmax_scale=softmax_scale, unrotate=unrotate)  # fmt: skip
+
+
+def merge_step_for(merge_step: int, splits: int) -> int:
+    """Splits the merge launch combines a pipeline step: the largest divisor of the split
+    count that is <= ``merge_step`` (no empty splits to pad with)."""
+    return max(d for d in range(1, min(merge_step, splits) + 1) if splits % d == 0)
+
+
+def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers=True,
+                    step=1):  # fmt: skip
+    """Second launch: the full-precision ring and the LSE merge of the split partials.
+
+    acc [B, H, S, 2, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
+    partials kernel: O^T channel halves; running max in log2 units and row sums);
+    q_ring_t [B, H, 128, NPAD] in the ring's dtype (query^T, original basis, scaled by
+    softmax_scale * log2(e), heads past g zero); k_res, v_res [B, H, R, 128] bfloat16 or
+    float16; ring_mask [B, Rp] f32 (1 valid slot, 0 not), Rp = R rounded up to 64.
+    Returns out^T [B, H, 2, 64, NPAD] f32, normalised (0 for a row with no token).
+    One CTA (one warpgroup) per (b, h): ring tiles of 64 slots through wgmma (A = K tile /
+    V^T tile from shared memory), then the splits' partials rescaled to the common max.
+    """
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, h, s, _, _, _ = acc.shape
+    r = k_res.shape[2]
+    rt = -(-r // TILE)
+    rdt = k_res.dtype
+    f32 = jnp.float32
+    NEG = -1e30
+    WG = plgpu.Layout.WGMMA
+    b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    a_tr = (
+        plgpu.TilingTransform((8, 16)),
+        plgpu.SwizzleTransform(32),
+    )  # wgmma wants A and B swizzles equal
+
+    def kernel(
+        acc_ref, ml_ref, q_ref, k_ref, v_ref, mask_ref, out_ref, q_smem, p_smem, o_smem, q_bar
+    ):
+        bi = jax.lax.axis_index("b")
+        hi = jax.lax.axis_index("h")
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+
+        def ring_body(idxs, k_smem, v_smem, m_smem, carry):
+            m_prev, l_acc, o0, o1 = carry
+
+            def qk(acc_ref_):
+                plgpu.wgmma(acc_ref_, k_smem, q_smem)
+                return acc_ref_[...]
+
+            sc = pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32))
+            msk = plgpu.load(m_smem, layout=WG.reduce(1))  # [64]
+            ok = jax.lax.broadcast_in_dim(msk, (TILE, NPAD), [0]) > 0.5
+            sc = jnp.where(ok, sc, NEG)
+            m_new = jnp.maximum(m_prev, jnp.max(sc, axis=0))
+            corr = jax.lax.broadcast_in_dim(jnp.exp2(m_prev - m_new), (TILE, NPAD), [1])
+            p = jnp.where(
+                ok, jnp.exp2(sc - jax.lax.broadcast_in_dim(m_new, (TILE, NPAD), [1])), 0.0
+            )
+            l_acc = l_acc * corr + p
+            p_smem[...] = p.astype(rdt)
+            plgpu.commit_smem()
+
+            def pv(refs):
+                a0, a1 = refs
+                plgpu.wgmma(a0, v_smem.at[:, pl.ds(0, TILE)].transpose((1, 0)), p_smem)
+                plgpu.wgmma(a1, v_smem.at[:, pl.ds(TILE, TILE)].transpose((1, 0)), p_smem)
+
+            o0, o1 = pl.run_state(pv)((plgpu.ACC.init(o0 * corr), plgpu.ACC.init(o1 * corr)))
+            return m_new, l_acc, o0, o1
+
+        init = (
+            plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
+            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
+            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
+            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
+        )
+        ring_pipe = plgpu.emit_pipeline(
+            ring_body,
+            grid=(rt,),
+            in_specs=[
+                plgpu.BlockSpec((TILE, D), lambda i: (i, 0), transforms=a_tr),
+                plgpu.BlockSpec((TILE, D), lambda i: (i, 0), transforms=a_tr),
+                plgpu.BlockSpec((TILE,), lambda i: (i,)),
+            ],
+            max_concurrent_steps=min(2, rt),
+            init_carry=init,
+        )
+        m, l_acc, o0, o1 = ring_pipe(k_ref.at[bi, hi], v_ref.at[bi, hi], mask_ref.at[bi])
+        lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
+
+        def part_body(idxs, a_smem, ml_smem, carry):
+            m_prev, l_prev, o0, o1 = carry
+            ms = [plgpu.load(ml_smem.at[2 * u], layout=WG.reduce(0)) for u in range(step)]
+            ls = [plgpu.load(ml_smem.at[2 * u + 1], layout=WG.reduce(0)) for u in range(step)]
+            m_new = m_prev
+            for mu in ms:
+                m_new = jnp.maximum(m_new, mu)
+            ca = jnp.exp2(m_prev - m_new)
+            ca_b = jax.lax.broadcast_in_dim(ca, (TILE, NPAD), [1])
+            l_new, o0, o1 = l_prev * ca, o0 * ca_b, o1 * ca_b
+            for u in range(step):
+                cs = jnp.exp2(ms[u] - m_new)
+                cs_b = jax.lax.broadcast_in_dim(cs, (TILE, NPAD), [1])
+                l_new = l_new + ls[u] * cs
+                o0 = o0 + plgpu.load(a_smem.at[2 * u], layout=WG) * cs_b
+                o1 = o1 + plgpu.load(a_smem.at[2 * u + 1], layout=WG) * cs_b
+            return m_new, l_new, o0, o1
+
+        if s % step:
+            raise ValueError(f"the split count {s} must be a multiple of {step=}")
+        part_pipe = plgpu.emit_pipeline(
+            part_body,
+            grid=(s // step,),
+            in_specs=[
+                plgpu.BlockSpec((2 * step, TILE, NPAD), lambda i: (i, 0, 0)),
+                plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
+            ],
+            max_concurrent_steps=min(4 if step == 1 else 2, s // step),
+            init_carry=(m, lsum, o0, o1),
+        )
+        m, lsum, o0, o1 = part_pipe(
+            acc_ref.at[bi, hi], ml_ref.at[bi, hi]
+        )  # [S * 2, 64, 16], [S * 2, 16]
+        inv = jnp.where(lsum > 0, 1.0 / jnp.where(lsum > 0, lsum, 1.0), 0.0)
+        inv_b = jax.lax.broadcast_in_dim(inv, (TILE, NPAD), [1])
+        o_smem[0] = o0 * inv_b
+        o_smem[1] = o1 * inv_b
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, hi])
+        plgpu.wait_smem_to_gmem(0)
+
+    fn = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((b, h, 2, TILE, NPAD), f32),
+        scratch_types=[
+            plgpu.SMEM((D, NPAD), rdt, transforms=b_tr),
+            plgpu.SMEM((TILE, NPAD), rdt, transforms=b_tr),
+            plgpu.SMEM((2, TILE, NPAD), f32),
+            plgpu.Barrier(num_arrivals=1),
+        ],
+        grid=(b, h),
+        grid_names=("b", "h"),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, unsafe_no_auto_barriers=not auto_barriers
+        ),
+    )
+    return fn(
+        acc.reshape(b, h, s * 2, TILE, NPAD),
+        ml.reshape(b, h, s * 2, NPAD),
+        q_ring_t,
+        k_res,
+        v_res,
+        ring_mask,
+    )
+
+
+def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+                                  cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
+                                  param_dtype=jnp.float16):  # fmt: skip
+    """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
+    in the original basis or the rotation folded into W_V / W_O), with the ring and the
+    merge in a second Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel + the
+    output transpose (XLA)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
+
+    b, h, g, d = q.shape
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    acc, ml = _partials_raw(
+        q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale, param_dtype=param_dtype
+    )
+    rdt = k_res.dtype if k_res.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+    qr = jnp.pad(q.astype(jnp.float32) * (scale * LOG2E), ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
+    qr = jnp.swapaxes(qr, -1, -2).astype(rdt)
+    r = k_res.shape[2]
+    rp = -(-r // TILE) * TILE
+    mask = jnp.pad(ring_valid.astype(jnp.float32), ((0, 0), (0, rp - r)))
+    step = merge_step_for(cfg.merge_step, acc.shape[2])
+    out_t = int2_merge_ring(acc, ml, qr, k_res.astype(rdt), v_res.astype(rdt), mask,
+                            auto_barriers=cfg.auto_barriers, step=step)  # fmt: skip
+    out = jnp.swapaxes(out_t.reshape(b, h, D, NPAD), -1, -2)[:, :, :g]
+    return out.astype(q.dtype)
