@@ -102,6 +102,11 @@ def tree_nbytes(tree) -> int:
 def abstract_caches(cfg, kv, batch, max_len, mesh=None, ax=osh.AXES, device=None,
                     dtype=jnp.bfloat16):  # fmt: skip
     """The per-layer caches (tuple of L [B, ...]) as ShapeDtypeStructs carrying shardings."""
+    if cfg.local_layers:  # make_caches fills KVCaches only
+        raise ValueError(
+            f"local_layers={cfg.local_layers}: the end-to-end benchmarks model every layer's "
+            "cache as a KVCache; Gemma 3's rings: models.abstract_decode_caches"
+        )
     shapes = memory.abstract_cache(cfg, kv, batch=batch, max_len=max_len, dtype=dtype)
     if mesh is None:
         sh = SingleDeviceSharding(device or jax.devices()[0])
