@@ -5,7 +5,7 @@ Reads each ``oscar-jax eval --tasks ppl`` results.json (per-window NLL sums in
 (``oscar_jax.methods.bytes_per_token``, every code, scale, zero, norm, outlier and
 full-precision token; the R-token residual, the same for all methods, is not counted),
 prints a Markdown table per run with paired 95% bootstrap intervals against oscar2 and
-kivi2, and draws relative perplexity (over bf16) against bytes per token, one panel per
+kivi2 (``--refs``), and draws relative perplexity (over bf16) against bytes per token, one panel per
 run, Pareto front marked::
 
     python -m benchmarks.methods_pareto out/m36_qwen1024/results.json \
@@ -24,10 +24,13 @@ import numpy as np
 from oscar_eval.common import bootstrap_ppl, parse_method
 from oscar_jax import methods as oscar_methods
 
+REFS = ("oscar2", "kivi2")
 
-def load(path: str) -> dict:
+
+def load(path: str, refs=REFS) -> dict:
     """One run: a results.json, or several joined with "+" (runs of one model on the same
-    windows, e.g. methods split over two processes; their ``ppl_key`` must agree)."""
+    windows, e.g. methods split over two processes; their ``ppl_key`` must agree); paired
+    differences against bf16 and each of ``refs``."""
     parts = []
     for p in path.split("+"):
         with open(p) as f:
@@ -46,7 +49,7 @@ def load(path: str) -> dict:
         kv = parse_method(name).kv
         b = oscar_methods.bytes_per_token(kv, mc["head_dim"], ctx, mc["num_kv_heads"])["total"]
         r = {"method": name, "bytes": b, **bootstrap_ppl(s, count)}
-        for ref in ("bf16", "oscar2", "kivi2"):
+        for ref in ("bf16", *refs):
             if ref in nll and ref != name:
                 d = bootstrap_ppl(s, count, nll[ref])
                 r[f"d_{ref}"] = (d["delta_vs_bf16"], d["delta_lo"], d["delta_hi"])
@@ -57,7 +60,7 @@ def load(path: str) -> dict:
         r["rel"] = (r["ppl"] / bf - 1) * 100 if bf else float("nan")
     name = os.path.basename(str(res.get("model", "")).rstrip("/"))
     return {"rows": rows, "model": name, "ctx": ctx, "windows": len(count), "score": score,
-            "date": res["runs"][-1]["date"], "n": len(count)}  # fmt: skip
+            "date": res["runs"][-1]["date"], "n": len(count), "refs": tuple(refs)}  # fmt: skip
 
 
 def pareto(rows: list[dict]) -> set[str]:
@@ -77,16 +80,18 @@ def table(run: dict) -> str:
         x, lo, hi = r[f"d_{ref}"]
         return f"{x:+.2f} ({lo:+.2f} to {hi:+.2f}), {r[f'worse_{ref}']}/{run['n']}"
 
-    head = ("| method | bytes/token/head | ppl (95% CI) | vs bf16 | - oscar2 (paired CI), "
-            "windows worse | - kivi2 (paired CI), windows worse |")  # fmt: skip
-    out = [head, "|---|---|---|---|---|---|"]
+    refs = run.get("refs", REFS)
+    head = "| method | bytes/token/head | ppl (95% CI) | vs bf16 |" + "".join(
+        f" - {ref} (paired CI), windows worse |" for ref in refs
+    )
+    out = [head, "|---|---|---|---|" + "---|" * len(refs)]
     front = pareto(run["rows"])
     for r in sorted(run["rows"], key=lambda r: -r["bytes"]):
         star = " *" if r["method"] in front else ""
         rel = "" if r["method"] == "bf16" else f"{r['rel']:+.1f}%"
         out.append(f"| {r['method']}{star} | {r['bytes']:.2f} | {r['ppl']:.2f} "
-                   f"({r['ppl_lo']:.2f}-{r['ppl_hi']:.2f}) | {rel} | {d(r, 'oscar2')} | "
-                   f"{d(r, 'kivi2')} |")  # fmt: skip
+                   f"({r['ppl_lo']:.2f}-{r['ppl_hi']:.2f}) | {rel} |"
+                   + "".join(f" {d(r, ref)} |" for ref in refs))  # fmt: skip
     return "\n".join(out)
 
 
@@ -127,8 +132,9 @@ def main(argv=None) -> None:
     ap.add_argument("results", nargs="+", help=helps)
     ap.add_argument("--png", default="", help="write the Pareto plot here")
     ap.add_argument("--caption", default="", help="text under the plot (command, commit, date)")
+    ap.add_argument("--refs", default=",".join(REFS), help="paired-difference references")
     a = ap.parse_args(argv)
-    runs = [load(p) for p in a.results]
+    runs = [load(p, [r for r in a.refs.split(",") if r]) for p in a.results]
     for p, run in zip(a.results, runs, strict=True):
         print(f"\n{run['model']} ({p}; ctx {run['ctx']}, {run['windows']} windows, score "
               f"{run['score']}, run of {run['date']}); * = on the Pareto front\n")  # fmt: skip

@@ -102,3 +102,6 @@ def test_needs_rope_and_a_fit_and_counts_its_bytes():
     assert b["total"] == 16 + 16 + 8 + 8 + 20 * 4 / 32 + 3 == 53.5
     assert M.bytes_per_token(cfg, 128)["total"] == 32 + 32 + 16 + 16 + 2.5 + 3
     assert M.parse_name("kvquant2_g64").group_size == 64
+    dense = M.parse_name("kvquant2_ko0_vo0")
+    assert (dense.k_outliers, dense.v_outliers) == (0, 0)
+    assert M.bytes_per_token(dense, 64)["total"] == 48.0

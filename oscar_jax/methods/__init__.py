@@ -12,7 +12,8 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
     turbob{b}           turbo on k - RoPE_t(b_k), as oscarb (``turbo``)
     oscarc{b}           oscarb with 8-bit scales / zeros / norms (proposal A, ``compact``)
     kvquant{b}          pre-RoPE per-channel keys, per-layer k-means codebook, fp16
-                        dense-and-sparse outliers (``kvquant``; calibrated)
+                        dense-and-sparse outliers (``kvquant``; calibrated; _ko{N} /
+                        _vo{N}: outliers per key group / value token, default 20 / 1)
     oscarp{b}           oscarb under a per-layer PCA-then-Hadamard rotation (B, ``rotation``;
                         calibrated); oscaro{b}: a random orthogonal one instead
     oscard{b}_p{P}      oscarb whose full-precision window keeps up to P high-TNI groups,
@@ -61,6 +62,10 @@ _NAME = re.compile(
 )
 
 
+_OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>",
+             "kvquant": ", ko<N>, vo<N>"}  # fmt: skip
+
+
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
     """The comparison method of an evaluation name, or None when the name is not one of
     them (then it is the library's own, e.g. ``kivi2``). ValueError for a bad suffix."""
@@ -79,12 +84,15 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
     own = {"kivi": "sink", "ott": "n", "oscard": "p"}.get(fam)
     if own is not None and own in sufs:
         kw[{"kivi": "sinks", "ott": "pool", "oscard": "pins"}[fam]] = sufs.pop(own)
+    if fam == "kvquant":
+        kw.update({f: sufs.pop(s) for s, f in (("ko", "k_outliers"), ("vo", "v_outliers"))
+                   if s in sufs})  # fmt: skip
     if fam == "oscard":  # the window's budget is R: R' = R - P G
         kw["residual_length"] -= kw.setdefault("pins", 2) * kw["group_size"]
     if sufs:
         raise ValueError(
             f"method={name!r}: suffix(es) {sorted(sufs)} must be among r<R>, g<G>"
-            + {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>"}.get(fam, "")
+            + _OWN_HELP.get(fam, "")
             + f" for {fam}"
         )
     try:
