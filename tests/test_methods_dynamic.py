@@ -48,6 +48,7 @@ def test_budget_is_oscars_window_and_bytes_are_oscars():
     assert (cfg.residual_length, cfg.pins, cfg.budget) == (64, 2, 128)
     c1 = M.parse_name("oscard2_p1_r256")
     assert (c1.residual_length, c1.budget) == (224, 256)
+    assert M.parse_name("oscard2_t2").tni == 2.0
     assert M.bytes_per_token(cfg, 64) == M.bytes_per_token(M.OscarBias(), 64)
     with pytest.raises(ValueError, match="tni"):
         M.OscarDynamic(tni=1.0)

@@ -16,8 +16,9 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
                         _vo{N}: outliers per key group / value token, default 20 / 1)
     oscarp{b}           oscarb under a per-layer PCA-then-Hadamard rotation (B, ``rotation``;
                         calibrated); oscaro{b}: a random orthogonal one instead
-    oscard{b}_p{P}      oscarb whose full-precision window keeps up to P high-TNI groups,
-                        at R' = R - P G (proposal C, ``dynamic``; default P = 2)
+    oscard{b}_p{P}_t{X} oscarb whose full-precision window keeps up to P groups of TNI
+                        (median / smallest key norm) above X, at R' = R - P G (proposal C,
+                        ``dynamic``; default P = 2, X = 4)
     turboq{b}           TurboQuant_prod: (b-1)-bit turbo + 1-bit QJL residual for keys,
                         with the k-bias offset (``turbo``)
 
@@ -62,7 +63,7 @@ _NAME = re.compile(
 )
 
 
-_OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>",
+_OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
              "kvquant": ", ko<N>, vo<N>"}  # fmt: skip
 
 
@@ -87,6 +88,8 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
     if fam == "kvquant":
         kw.update({f: sufs.pop(s) for s, f in (("ko", "k_outliers"), ("vo", "v_outliers"))
                    if s in sufs})  # fmt: skip
+    if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)
+        kw["tni"] = float(sufs.pop("t"))
     if fam == "oscard":  # the window's budget is R: R' = R - P G
         kw["residual_length"] -= kw.setdefault("pins", 2) * kw["group_size"]
     if sufs:
