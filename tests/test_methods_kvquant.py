@@ -105,3 +105,5 @@ def test_needs_rope_and_a_fit_and_counts_its_bytes():
     dense = M.parse_name("kvquant2_ko0_vo0")
     assert (dense.k_outliers, dense.v_outliers) == (0, 0)
     assert M.bytes_per_token(dense, 64)["total"] == 48.0
+    abl = M.parse_name("kvquant2_uni1_post1")
+    assert abl.uniform and not abl.pre_rope and M.parse_name("kvquant2").pre_rope

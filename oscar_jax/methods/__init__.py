@@ -13,7 +13,8 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
     oscarc{b}           oscarb with 8-bit scales / zeros / norms (proposal A, ``compact``)
     kvquant{b}          pre-RoPE per-channel keys, per-layer k-means codebook, fp16
                         dense-and-sparse outliers (``kvquant``; calibrated; _ko{N} /
-                        _vo{N}: outliers per key group / value token, default 20 / 1)
+                        _vo{N}: outliers per key group / value token, default 20 / 1;
+                        ablations _uni1: uniform levels, _post1: post-RoPE keys)
     oscarp{b}           oscarb under a per-layer PCA-then-Hadamard rotation (B, ``rotation``;
                         calibrated); oscaro{b}: a random orthogonal one instead
     oscard{b}_p{P}_t{X} oscarb whose full-precision window keeps up to P groups of TNI
@@ -64,7 +65,7 @@ _NAME = re.compile(
 
 
 _OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
-             "kvquant": ", ko<N>, vo<N>"}  # fmt: skip
+             "kvquant": ", ko<N>, vo<N>, uni1, post1"}  # fmt: skip
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -88,6 +89,10 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
     if fam == "kvquant":
         kw.update({f: sufs.pop(s) for s, f in (("ko", "k_outliers"), ("vo", "v_outliers"))
                    if s in sufs})  # fmt: skip
+        if "uni" in sufs:  # ablations: uniform levels, post-RoPE keys
+            kw["uniform"] = bool(sufs.pop("uni"))
+        if "post" in sufs:
+            kw["pre_rope"] = not sufs.pop("post")
     if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)
         kw["tni"] = float(sufs.pop("t"))
     if fam == "oscard":  # the window's budget is R: R' = R - P G

@@ -96,6 +96,8 @@ class KVQuant(base.MethodConfig):
     k_outliers: int = 20
     v_outliers: int = 1
     outlier_dtype: str = "float16"
+    uniform: bool = False  # ablation: KIVI's uniform levels instead of the fitted codebook
+    pre_rope: bool = True  # ablation: False quantizes the post-RoPE keys
 
     needs_rope = True
     needs_calibration = True
@@ -147,11 +149,13 @@ class KVQuant(base.MethodConfig):
         if rope is None:
             raise ValueError("KVQuant quantizes pre-RoPE keys: it needs rope=(cos, sin)")
         st = self.calibrated_state() if state is None else state
+        if self.uniform:
+            st = {n: jnp.linspace(0.0, 1.0, 1 << self.bits) for n in ("k_levels", "v_levels")}
         cos, sin = rope
-        kp = base.rope_rotate(k, cos, sin, inverse=True)
-        _, _, kph = self._keys(kp, jnp.asarray(st["k_levels"], jnp.float32))
+        kp = base.rope_rotate(k, cos, sin, inverse=True) if self.pre_rope else k
+        _, _, kph = self._keys(kp.astype(jnp.float32), jnp.asarray(st["k_levels"], jnp.float32))
         _, _, vh = self._values(v.astype(jnp.float32), jnp.asarray(st["v_levels"], jnp.float32))
-        return base.rope_rotate(kph, cos, sin), vh
+        return (base.rope_rotate(kph, cos, sin) if self.pre_rope else kph), vh
 
     def fit(self, k, v, rope, key_offset=None) -> KVQuant:
         """Per-layer codebooks (``k_levels``, ``v_levels`` [L, 2^b]) by k-means on the
@@ -160,7 +164,12 @@ class KVQuant(base.MethodConfig):
         n = 1 << self.bits
         rng = np.random.default_rng(0)
         kl, vl = [], []
-        keys = jax.jit(lambda x, c, s: self._keys(base.rope_rotate(x, c, s, inverse=True))[:2])
+        unrope = (
+            (lambda x, c, s: base.rope_rotate(x, c, s, inverse=True))
+            if self.pre_rope
+            else (lambda x, c, s: x)
+        )
+        keys = jax.jit(lambda x, c, s: self._keys(unrope(x, c, s))[:2])
         values = jax.jit(lambda x: self._values(x)[:2])
         for kk, vv in zip(np.asarray(k), np.asarray(v), strict=True):  # one layer [N, H, T, D]
             t = kk.shape[2] - kk.shape[2] % self.group_size
