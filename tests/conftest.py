@@ -47,6 +47,21 @@ if settings is not None:
     settings.load_profile(os.environ.get("OSCAR_HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop every compiled program after each test module.
+
+    XLA:CPU maps each compiled program's code into its own memory regions (~3 for a small
+    program, ~300 for an interpret-mode Pallas kernel), and jit caches keep them for the
+    life of the process. A pytest-xdist worker that runs the whole suite went past the
+    kernel's limit of 65,530 maps (vm.max_map_count): LLVM then fails with "Cannot
+    allocate memory" and XLA segfaults inside a compile (reproduced by filling the map
+    table before one kernel compile). Programs are rarely shared between modules, so
+    this costs little compile time."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """A random Llama with weights large enough for confident, quantization-sensitive logits
