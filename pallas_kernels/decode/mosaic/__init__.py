@@ -50,25 +50,7 @@ Kernel design (one CTA = one warpgroup of 128 threads = one (b, h, split)):
   * Online softmax (base 2, log2(e) folded into the query) per block of ``block_tokens``;
     the row sums are kept per element and reduced once at the end.
 
-Record layout of one 64-token tile (uint32 words; "tid" is the thread of the warpgroup,
-w = tid // 32 its warp, l = tid % 32 its lane, j = l % 4):
-  [0, 512)      K codes: word 4 tid + i, bits 2p + 16e, p = 2 (cb % 4) + rh, i = cb // 4,
-                holds code of token 16 w + l // 4 + 8 rh, channel 8 cb + 2 j + e
-                (cb in 0..15, rh, e in 0..1)
-  [512, 1024)   V codes: word 512 + 4 tid + 2 mt + cb // 4, bits 2p + 16e, p = 2 (cb % 4) + rh,
-                holds code of channel 64 mt + 16 w + l // 4 + 8 rh, token 8 cb + 2 j + e
-                (mt in 0..1, cb in 0..7)
-  [1024, 1280)  K params, 16-bit values two to a word (position 2i in the low half of
-                word i, 2i + 1 in the high half): [group g in 0..1][scale, zero][128
-                positions], channel 8 cb + 2 j + e of token group 2 n + g at position
-                32 j + 2 cb + e, i.e. word 1024 + 128 g + 64 sz + 16 j + cb, half e
-  [1280, 1536)  V params, same packing: [chunk c in 0..1 (32 tokens)][scale, zero]
-                [value group 0..3][32 positions], token 32 c + 16 kk + 2 j + (0, 1, 8, 9)[e']
-                at position 8 j + 4 kk + e', i.e. token 8 cb + 2 j + e of group grp at word
-                1280 + 64 (2 (cb // 4) + sz) + 16 grp + 4 j + cb % 4, half e
-  [1536, 1600)  zero (pad: 1600 = 25 x 64 words, the TMA box is <= 256 per dimension)
-Norms: kn [B, H, Lp] float32 (token norm, 0 past Lq). nq [B] int32: the quantized tokens of
-each row (any 0 <= nq <= Lp; tokens >= nq are masked).
+The record layout of a 64-token tile and the norms' shape: ``oscar_jax.record``'s docstring.
 Head_dim 128, G = 32 (key token groups and value channel groups), 16-bit parameters
 (float16 or bfloat16, the dequantization dtype follows them) only.
 """
