@@ -254,22 +254,15 @@ def rope_rotate(
     return xf * cos + rot * (-sin if inverse else sin)
 
 
-def oscar_keys_fake_quant(
+def oscar_keys_scaled(
     k: Float[Array, "B H T D"],
     cfg: KVQuantConfig,
     offset: Float[Array, "B H T D"] | None = None,
     norm_round=None,
     rotation: Float[Array, "H D D"] | None = None,
-) -> Float[Array, "B H T D"]:
-    """OScaR's key path (rotate, divide by the stored l2 norm, per-channel INT-b over G
-    tokens) on ``k - offset``, back in the original basis with ``offset`` added (float32).
-
-    ``offset`` (broadcastable to k, float32) is what the method stores or knows apart
-    from the codes; ``norm_round`` maps the float32 norms [B, H, T] to the values stored
-    (default: rounding to ``cfg.norm_dtype``). A zero-norm key comes back as the offset.
-    ``rotation``: one orthogonal matrix per KV head (rows: the rotated channels) used
-    instead of ``cfg``'s rotation.
-    """
+) -> tuple[Float[Array, "B H T D"], Float[Array, "B H T"]]:
+    """(u, n): OScaR's key path up to its quantizer: ``k - offset`` rotated and divided
+    by its stored l2 norm ``n`` (arguments as ``oscar_keys_fake_quant``; float32)."""
     x = k.astype(jnp.float32)
     if offset is not None:
         x = x - offset
@@ -280,9 +273,33 @@ def oscar_keys_fake_quant(
     n, s = codec.token_norm_and_prescale(x, "per_head")  # [B, H, T]
     n = norm_round(n) if norm_round is not None else quant.round_to_dtype(n, cfg.norm_jnp_dtype)
     r = quant.scaled_reciprocal(n, s)
-    u = (x * s[..., None]) * r[..., None]
-    codes, scale, zero = quant.quantize_groups(u, cfg.bits, cfg.group_size, 2, cfg.scale_dtype)
-    u_hat = quant.dequantize_groups(codes, scale, zero, cfg.group_size, axis=2)
+    return (x * s[..., None]) * r[..., None], n
+
+
+def oscar_keys_fake_quant(
+    k: Float[Array, "B H T D"],
+    cfg: KVQuantConfig,
+    offset: Float[Array, "B H T D"] | None = None,
+    norm_round=None,
+    rotation: Float[Array, "H D D"] | None = None,
+    quantize=None,
+) -> Float[Array, "B H T D"]:
+    """OScaR's key path (rotate, divide by the stored l2 norm, per-channel INT-b over G
+    tokens) on ``k - offset``, back in the original basis with ``offset`` added (float32).
+
+    ``offset`` (broadcastable to k, float32) is what the method stores or knows apart
+    from the codes; ``norm_round`` maps the float32 norms [B, H, T] to the values stored
+    (default: rounding to ``cfg.norm_dtype``). A zero-norm key comes back as the offset.
+    ``rotation``: one orthogonal matrix per KV head (rows: the rotated channels) used
+    instead of ``cfg``'s rotation. ``quantize``: a map of the normed rotated keys
+    [B, H, T, D] to their dequantized values used instead of the per-channel INT-b.
+    """
+    u, n = oscar_keys_scaled(k, cfg, offset, norm_round, rotation)
+    if quantize is None:
+        codes, scale, zero = quant.quantize_groups(u, cfg.bits, cfg.group_size, 2, cfg.scale_dtype)
+        u_hat = quant.dequantize_groups(codes, scale, zero, cfg.group_size, axis=2)
+    else:
+        u_hat = quantize(u)
     if rotation is None:
         out = hadamard.unrotate(u_hat * n[..., None], cfg)
     else:

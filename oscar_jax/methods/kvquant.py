@@ -88,6 +88,83 @@ def lloyd(samples: np.ndarray, n: int, iters: int = 60) -> np.ndarray:
     return np.sort(lv)
 
 
+def dense_and_sparse(
+    xg: Float[Array, "... N M"],
+    out: Bool[Array, "... N M"],
+    axis: int,
+    levels: Float[Array, " L"] | None,
+    param_dtype: str,
+    outlier_dtype: str,
+) -> tuple[Array, Array | None]:
+    """(u, x_hat): each group (along ``axis``) normalised to [0, 1] by its non-outlier
+    range (``normalise``) and, when ``levels`` is given, dequantized by rounding to them,
+    with the ``out`` entries read back from ``outlier_dtype`` (else x_hat is None)."""
+    u, s, z = normalise(xg, out, axis, param_dtype)
+    if levels is None:
+        return u, None
+    xh = codebook_round(u, levels) * s + z
+    return u, jnp.where(out, quant.round_to_dtype(xg, outlier_dtype), xh)
+
+
+def keys_dense_and_sparse(
+    x: Float[Array, "B H T D"], count: int, group_size: int, levels, param_dtype: str,
+    outlier_dtype: str,
+) -> tuple[Array, Array, Array | None]:  # fmt: skip
+    """(u, out, x_hat) [B, H, T, D] of per-channel groups of G tokens with ``count``
+    outliers per G x D group (``dense_and_sparse``; x_hat None without ``levels``)."""
+    b, h, t, d = x.shape
+    g = group_size
+    if count >= g * d:
+        raise ValueError(f"k_outliers={count} must be < G x D = {g * d}")
+    xg = x.reshape(b, h, t // g, g, d)
+    out = outlier_mask(xg, count, axis=-2)
+    u, xh = dense_and_sparse(xg, out, -2, levels, param_dtype, outlier_dtype)
+    back = lambda a: None if a is None else a.reshape(b, h, t, d)  # noqa: E731
+    return back(u), back(out), back(xh)
+
+
+def values_dense_and_sparse(
+    v: Float[Array, "B H T D"], count: int, group: int, levels, param_dtype: str,
+    outlier_dtype: str,
+) -> tuple[Array, Array, Array | None]:  # fmt: skip
+    """(u, out, x_hat) [B, H, T, D] of per-token groups of ``group`` channels with
+    ``count`` outliers per token (``dense_and_sparse``; x_hat None without ``levels``)."""
+    b, h, t, d = v.shape
+    if count >= d:
+        raise ValueError(f"v_outliers={count} must be < head_dim={d}")
+    out = outlier_mask(v[..., None, :], count, axis=-1)[..., 0, :]
+    xg, og = v.reshape(b, h, t, d // group, group), out.reshape(b, h, t, d // group, group)
+    u, xh = dense_and_sparse(xg, og, -1, levels, param_dtype, outlier_dtype)
+    back = lambda a: None if a is None else a.reshape(b, h, t, d)  # noqa: E731
+    return back(u), out, back(xh)
+
+
+def fit_codebooks(layers, bits: int, seed: int = 0) -> base.Calibration:
+    """Per-layer codebooks ``k_levels``, ``v_levels`` [L, 2^b]: k-means (``lloyd``) on up
+    to 200,000 sampled normalised non-outlier entries. ``layers`` yields, per layer, the
+    (u, out) of its keys and of its values (as ``keys_dense_and_sparse`` gives them)."""
+    rng = np.random.default_rng(seed)
+    acc: dict[str, list] = {"k_levels": [], "v_levels": []}
+    for pair in layers:
+        for name, (u, out) in zip(acc, pair, strict=True):
+            s = np.asarray(u)[~np.asarray(out)]
+            s = rng.choice(s, min(s.size, 200_000), replace=False)
+            acc[name].append(lloyd(s, 1 << bits))
+    return base.Calibration(**{k: np.stack(a) for k, a in acc.items()})
+
+
+def outlier_bytes(
+    k_outliers: int, v_outliers: int, outlier_dtype: str, group_size: int, head_dim: int
+) -> dict[str, float]:
+    """Bytes per token of the fp outliers with their indices: ``k_outliers`` per key
+    group of G x D entries, ``v_outliers`` per value token (1-byte index up to 256)."""
+    ob = base.DTYPE_BYTES[outlier_dtype]
+    k_index = 1 if group_size * head_dim <= 256 else 2
+    v_index = 1 if head_dim <= 256 else 2
+    return {"k_outliers": k_outliers * (ob + k_index) / group_size,
+            "v_outliers": v_outliers * (ob + v_index)}  # fmt: skip
+
+
 @dataclasses.dataclass(frozen=True)
 class KVQuant(base.MethodConfig):
     """Pre-RoPE per-channel keys, per-token values, per-layer k-means codebooks,
@@ -110,31 +187,12 @@ class KVQuant(base.MethodConfig):
     def _keys(self, kp: Float[Array, "B H T D"], levels=None):
         """(u, out, x_hat) of pre-RoPE keys: normalised entries, outlier mask, and the
         dequantized keys (when ``levels`` is given), [B, H, T, D]."""
-        b, h, t, d = kp.shape
-        g = self.group_size
-        xg = kp.reshape(b, h, t // g, g, d)
-        if self.k_outliers >= g * d:
-            raise ValueError(f"k_outliers={self.k_outliers} must be < G x D = {g * d}")
-        out = outlier_mask(xg, self.k_outliers, axis=-2)
-        return self._dense(xg, out, -2, levels, (b, h, t, d))
+        return keys_dense_and_sparse(kp, self.k_outliers, self.group_size, levels,
+                                     self.param_dtype, self.outlier_dtype)  # fmt: skip
 
     def _values(self, v: Float[Array, "B H T D"], levels=None):
-        b, h, t, d = v.shape
-        gv = min(self.group_size, d)
-        if self.v_outliers >= d:
-            raise ValueError(f"v_outliers={self.v_outliers} must be < head_dim={d}")
-        out = outlier_mask(v[..., None, :], self.v_outliers, axis=-1)[..., 0, :]
-        xg, og = v.reshape(b, h, t, d // gv, gv), out.reshape(b, h, t, d // gv, gv)
-        return self._dense(xg, og, -1, levels, (b, h, t, d))
-
-    def _dense(self, xg, out, axis, levels, shape):
-        u, s, z = normalise(xg, out, axis, self.param_dtype)
-        xh = None
-        if levels is not None:
-            xh = codebook_round(u, levels) * s + z
-            xh = jnp.where(out, quant.round_to_dtype(xg, self.outlier_dtype), xh)
-            xh = xh.reshape(shape)
-        return u.reshape(shape), out.reshape(shape), xh
+        return values_dense_and_sparse(v, self.v_outliers, min(self.group_size, v.shape[-1]),
+                                       levels, self.param_dtype, self.outlier_dtype)  # fmt: skip
 
     def fake_quant_kv(
         self,
@@ -161,9 +219,6 @@ class KVQuant(base.MethodConfig):
         """Per-layer codebooks (``k_levels``, ``v_levels`` [L, 2^b]) by k-means on the
         normalised non-outlier entries of the calibration keys (pre-RoPE) and values."""
         cos, sin = (jnp.asarray(x, jnp.float32) for x in rope)
-        n = 1 << self.bits
-        rng = np.random.default_rng(0)
-        kl, vl = [], []
         unrope = (
             (lambda x, c, s: base.rope_rotate(x, c, s, inverse=True))
             if self.pre_rope
@@ -171,23 +226,17 @@ class KVQuant(base.MethodConfig):
         )
         keys = jax.jit(lambda x, c, s: self._keys(unrope(x, c, s))[:2])
         values = jax.jit(lambda x: self._values(x)[:2])
-        for kk, vv in zip(np.asarray(k), np.asarray(v), strict=True):  # one layer [N, H, T, D]
-            t = kk.shape[2] - kk.shape[2] % self.group_size
-            kp = (jnp.asarray(kk[:, :, :t]), cos[:t], sin[:t])
-            for x, fn, acc in ((kp, keys, kl), ((jnp.asarray(vv[:, :, :t]),), values, vl)):
-                u, out = fn(*x)
-                s = np.asarray(u)[~np.asarray(out)]
-                s = rng.choice(s, min(s.size, 200_000), replace=False)
-                acc.append(lloyd(s, n))
-        return self.replace(calibration=base.Calibration(k_levels=np.stack(kl),
-                                                         v_levels=np.stack(vl)))  # fmt: skip
+
+        def layers():
+            for kk, vv in zip(np.asarray(k), np.asarray(v), strict=True):  # [N, H, T, D]
+                t = kk.shape[2] - kk.shape[2] % self.group_size
+                yield keys(jnp.asarray(kk[:, :, :t]), cos[:t], sin[:t]), values(vv[:, :, :t])
+
+        return self.replace(calibration=fit_codebooks(layers(), self.bits))
 
     def bytes_per_token(self, head_dim: int, context: int = 2048) -> dict[str, float]:
         parts = base.kivi_bytes(self.bits, head_dim, self.group_size,
                                 base.DTYPE_BYTES[self.param_dtype])  # fmt: skip
-        ob = base.DTYPE_BYTES[self.outlier_dtype]
-        k_index = 1 if self.group_size * head_dim <= 256 else 2
-        v_index = 1 if head_dim <= 256 else 2
-        parts["k_outliers"] = self.k_outliers * (ob + k_index) / self.group_size
-        parts["v_outliers"] = self.v_outliers * (ob + v_index)
+        parts.update(outlier_bytes(self.k_outliers, self.v_outliers, self.outlier_dtype,
+                                   self.group_size, head_dim))  # fmt: skip
         return base.total(parts)
