@@ -20,6 +20,9 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
     oscard{b}_p{P}_t{X} oscarb whose full-precision window keeps up to P groups of TNI
                         (median / smallest key norm) above X, at R' = R - P G (proposal C,
                         ``dynamic``; default P = 2, X = 4)
+    oscarbo{b}          oscarb + KVQuant's dense-and-sparse fp16 outliers in the rotated
+                        space (``bias_outliers``; _ko{N} / _vo{N} as kvquant; _nuq1:
+                        per-layer k-means levels, calibrated)
     turboq{b}           TurboQuant_prod: (b-1)-bit turbo + 1-bit QJL residual for keys,
                         with the k-bias offset (``turbo``)
 
@@ -35,6 +38,7 @@ from oscar_jax.config import KVQuantConfig
 from oscar_jax.methods import base
 from oscar_jax.methods.base import MethodConfig, masked_group_fake_quant
 from oscar_jax.methods.bias_offset import OscarBias, rope_key_offset
+from oscar_jax.methods.bias_outliers import OscarBiasOutliers
 from oscar_jax.methods.compact import OscarCompact, shared_exponent_norms
 from oscar_jax.methods.dynamic import OscarDynamic
 from oscar_jax.methods.group_mean import OscarGroupMean
@@ -46,6 +50,7 @@ from oscar_jax.methods.turbo import TurboQuant, TurboQuantBias, TurboQuantProd, 
 
 FAMILIES = {
     "oscarb": OscarBias,
+    "oscarbo": OscarBiasOutliers,
     "oscarm": OscarGroupMean,
     "ott": OTT,
     "turbo": TurboQuant,
@@ -59,13 +64,15 @@ FAMILIES = {
     "turboq": TurboQuantProd,
 }
 _NAME = re.compile(
-    r"^(oscarb|oscarm|ott|turbob|turboq|turbo|oscarc|kivi|kvquant|oscarp|oscaro|oscard)(\d+)"
+    r"^(oscarbo|oscarb|oscarm|ott|turbob|turboq|turbo|oscarc|kivi|kvquant|oscarp|oscaro|oscard)"
+    r"(\d+)"
     r"((?:_[a-z]+\d+)*)$"
 )
 
 
 _OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
-             "kvquant": ", ko<N>, vo<N>, uni1, post1"}  # fmt: skip
+             "kvquant": ", ko<N>, vo<N>, uni1, post1",
+             "oscarbo": ", ko<N>, vo<N>, nuq1"}  # fmt: skip
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -86,13 +93,15 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
     own = {"kivi": "sink", "ott": "n", "oscard": "p"}.get(fam)
     if own is not None and own in sufs:
         kw[{"kivi": "sinks", "ott": "pool", "oscard": "pins"}[fam]] = sufs.pop(own)
-    if fam == "kvquant":
+    if fam in ("kvquant", "oscarbo"):
         kw.update({f: sufs.pop(s) for s, f in (("ko", "k_outliers"), ("vo", "v_outliers"))
                    if s in sufs})  # fmt: skip
         if "uni" in sufs:  # ablations: uniform levels, post-RoPE keys
             kw["uniform"] = bool(sufs.pop("uni"))
         if "post" in sufs:
             kw["pre_rope"] = not sufs.pop("post")
+    if fam == "oscarbo" and "nuq" in sufs:  # fitted (k-means) levels
+        kw["fitted_levels"] = bool(sufs.pop("nuq"))
     if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)
         kw["tni"] = float(sufs.pop("t"))
     if fam == "oscard":  # the window's budget is R: R' = R - P G
@@ -130,7 +139,8 @@ def bytes_per_token(
 
 __all__ = [
     "OTT", "FAMILIES", "KiviSinks", "MethodConfig", "OscarBias", "OscarCompact",
-    "OscarGroupMean", "TurboQuant", "TurboQuantBias", "bytes_per_token", "lloyd_max_gaussian",
+    "OscarBiasOutliers", "OscarGroupMean", "TurboQuant", "TurboQuantBias", "bytes_per_token",
+    "lloyd_max_gaussian",
     "KVQuant", "OscarRotation", "OscarDynamic", "TurboQuantProd",
     "masked_group_fake_quant", "parse_name", "rope_key_offset", "shared_exponent_norms",
 ]  # fmt: skip
