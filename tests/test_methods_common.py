@@ -13,7 +13,16 @@ from oscar_eval.common import parse_method
 from oscar_eval.ppl import cached_attention
 from oscar_jax import methods as M
 
-NAMES = ["oscarb2", "oscarm2", "kivi2_sink1", "kivi2_sink4", "ott2_n1", "turbo2", "oscarc2"]
+NAMES = [
+    "oscarb2",
+    "oscarm2",
+    "kivi2_sink1",
+    "kivi2_sink4",
+    "ott2_n1",
+    "turbo2",
+    "oscarc2",
+    "oscarbo2",
+]
 
 
 def _kv(seed=0, b=2, h=2, t=64, d=64):
@@ -100,7 +109,8 @@ def test_bytes_per_token_library_layouts():
 @pytest.mark.parametrize(
     ("name", "total"),
     [("oscarb2", 50.0), ("oscarm2", 54.0), ("kivi2_sink1", 48.125), ("kivi2_sink4", 48.5),
-     ("ott2_n1", 48 + (256 + 1) / 32), ("turbo2", 36.0), ("oscarc2", 41.03125)],
+     ("ott2_n1", 48 + (256 + 1) / 32), ("turbo2", 36.0), ("oscarc2", 41.03125),
+     ("oscarbo2", 55.5)],
 )  # fmt: skip
 def test_bytes_per_token_of_every_method_at_head_dim_64(name, total):
     parts = M.parse_name(name).bytes_per_token(64, context=2048)
