@@ -96,6 +96,7 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
     if fam in ("kvquant", "oscarbo"):
         kw.update({f: sufs.pop(s) for s, f in (("ko", "k_outliers"), ("vo", "v_outliers"))
                    if s in sufs})  # fmt: skip
+    if fam == "kvquant":
         if "uni" in sufs:  # ablations: uniform levels, post-RoPE keys
             kw["uniform"] = bool(sufs.pop("uni"))
         if "post" in sufs:
