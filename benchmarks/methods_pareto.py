@@ -60,7 +60,8 @@ def load(path: str, refs=REFS) -> dict:
         r["rel"] = (r["ppl"] / bf - 1) * 100 if bf else float("nan")
     name = os.path.basename(str(res.get("model", "")).rstrip("/"))
     return {"rows": rows, "model": name, "ctx": ctx, "windows": len(count), "score": score,
-            "date": res["runs"][-1]["date"], "n": len(count), "refs": tuple(refs)}  # fmt: skip
+            "date": res["runs"][-1]["date"], "n": len(count), "refs": tuple(refs),
+            "head_dim": mc["head_dim"]}  # fmt: skip
 
 
 def pareto(rows: list[dict]) -> set[str]:
@@ -114,7 +115,7 @@ def plot(runs: list[dict], png: str, caption: str) -> None:
         ax.step([r["bytes"] for r in fr], [r["rel"] for r in fr], where="post", c="C3", lw=1,
                 label="Pareto front")  # fmt: skip
         ax.set_yscale("log")  # every INT2 method is above bf16 here
-        ax.set_xlabel("bytes per token per KV head (quantized part, head_dim 64)")
+        ax.set_xlabel(f"bytes per token per KV head (quantized part, head_dim {run['head_dim']})")
         ax.set_ylabel("perplexity over bf16, %")
         ax.set_title(f"{run['model']}: ctx {run['ctx']}, {run['windows']} windows, "
                      f"score {run['score']}", fontsize=9)  # fmt: skip
