@@ -64,11 +64,12 @@ def sink_note(ratio: float) -> str:
                 "than the median): the imbalance OScaR's token scaling is made for.")  # fmt: skip
     return (
         f"This model has NO attention sinks: its position-0 keys are about as long as the "
-        f"others (ratio {ratio:.1f}, where models with sinks show 10-50), so the plot has no "
-        "dip at position 0 and the demo does not exercise OScaR's premise (low-norm sink "
-        "keys). The bundled proxy is such a model (ACCURACY.md in the repository: three "
-        "training recipes, no sinks); "
-        "pass --model DIR with a real checkpoint (e.g. a Llama or Qwen) to see sinks."
+        f"others (ratio {ratio:.1f}; the paper reports 10-50 on Llama-3.1 and Qwen3, "
+        "SmolLM2-135M shows ~3), so the plot has no dip at position 0 and the demo does not "
+        "exercise OScaR's premise (low-norm sink keys). The bundled proxy is such a model "
+        "(ACCURACY.md in the repository: three training recipes, no sinks); "
+        "'oscar-jax demo --model smollm2' fetches a real model with sinks (94 MB), or pass "
+        "--model with a checkpoint directory or .gguf file."
     )
 
 
