@@ -15,7 +15,7 @@ from flax import nnx
 
 import oscar_jax as oj
 from models import window as mwin
-from models.config import ModelConfig, llama31_8b, qwen3_8b
+from models.config import ModelConfig, gemma3_270m, llama31_8b, qwen3_8b, qwen3_30b_a3b
 from models.model import abstract_model
 
 
@@ -125,5 +125,11 @@ def format_table(rows) -> str:
 
 
 def full_size_table() -> str:
-    """The KV-cache table of Llama-3.1-8B and Qwen3-8B at 32K and 128K (``oscar-jax memory``)."""
-    return format_table(memory_table({"Llama-3.1-8B": llama31_8b(), "Qwen3-8B": qwen3_8b()}))
+    """The KV-cache table of full-size models (``oscar-jax memory``): Llama-3.1-8B, Qwen3-8B
+    and Qwen3-30B-A3B at 32K and 128K; gemma-3-270m at its 32K maximum (15 of its 18 layers
+    keep a 512-token full-precision ring, the same in both columns)."""
+    rows = memory_table(
+        {"Llama-3.1-8B": llama31_8b(), "Qwen3-8B": qwen3_8b(), "Qwen3-30B-A3B": qwen3_30b_a3b()}
+    )
+    rows += memory_table({"gemma-3-270m": gemma3_270m()}, contexts=(32768,))
+    return format_table(rows)

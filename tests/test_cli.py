@@ -312,6 +312,7 @@ def test_memory_and_models_commands(capsys, monkeypatch, tmp_path):
     assert cli.main(["memory"]) == 0
     out = capsys.readouterr().out
     assert "| Llama-3.1-8B | 128K | 16.00 GiB | 3.082 GiB | 5.19x |" in out
+    assert "| Qwen3-30B-A3B | 128K |" in out and "| gemma-3-270m | 32K |" in out
     assert cli.main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in ("smollm2", "qwen2.5-0.5b", "gemma3-270m"))
