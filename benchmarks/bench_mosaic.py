@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
+from oscar_jax import quant
 from pallas_kernels.decode import mosaic as K
 
 HQ, HKV, DH, RING = 32, 8, 128, 160
@@ -84,7 +85,7 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True):
         live[..., None], -1.5 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)), 0
     )
     c = dict(
-        k_codes=K.pack_planar(kc), v_codes=K.pack_planar(vc),
+        k_codes=quant.pack(kc, 2), v_codes=quant.pack(vc, 2),
         k_scale=k_scale.astype(pdt), k_zero=k_zero.astype(pdt), k_norm=norm.astype(jnp.float32),
         v_scale=v_scale.astype(pdt), v_zero=v_zero.astype(pdt),
     )  # fmt: skip

@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
+from oscar_jax import quant
+
 D = 128  # head_dim covered
 G = 32  # group size (key tokens per group, value channels per group)
 TILE = 64  # tokens per wgmma M tile = tokens per record
@@ -91,22 +93,6 @@ _VP_TOK = np.array(
 )
 
 
-def unpack_planar(packed, bits=2):
-    """planar [.., n*b/8] uint8 -> codes [.., n] uint8 (byte j holds code j + i P in bits i b)."""
-    c = 8 // bits
-    planes = [(packed >> np.uint8(i * bits)) & np.uint8((1 << bits) - 1) for i in range(c)]
-    return jnp.concatenate(planes, axis=-1)
-
-
-def pack_planar(codes, bits=2):
-    c = 8 // bits
-    p = codes.shape[-1] // c
-    out = jnp.zeros(codes.shape[:-1] + (p,), jnp.uint8)
-    for i in range(c):
-        out = out | (codes[..., i * p : (i + 1) * p].astype(jnp.uint8) << np.uint8(i * bits))
-    return out
-
-
 def _bits16(x, dtype):
     return jax.lax.bitcast_convert_type(x.astype(dtype), jnp.uint16).astype(jnp.uint32)
 
@@ -139,8 +125,8 @@ def fragment_layout(k_codes, k_scale, k_zero, k_norm, v_codes, v_scale, v_zero, 
         cfgp[axis] = (0, amount)
         return jnp.pad(x, cfgp)
 
-    kq = padt(unpack_planar(k_codes), 2, pad).reshape(b, h, n, TILE, D).astype(jnp.uint32)
-    vq = padt(unpack_planar(v_codes), 2, pad).reshape(b, h, n, TILE, D).astype(jnp.uint32)
+    kq = padt(quant.unpack(k_codes, 2), 2, pad).reshape(b, h, n, TILE, D).astype(jnp.uint32)
+    vq = padt(quant.unpack(v_codes, 2), 2, pad).reshape(b, h, n, TILE, D).astype(jnp.uint32)
     kw = kq[:, :, :, _KT, _KCH]  # [b, h, n, 512, 16]
     vw = vq[:, :, :, _VT, _VCH]
     shifts = (2 * np.arange(16)).astype(np.uint32)
@@ -199,8 +185,8 @@ def fragment_layout_inverse(rec, kn, lq, *, param_dtype=jnp.float16):
     vs = jnp.swapaxes(vp[:, :, :, :, 0][..., inv_v], -1, -2).reshape(b, h, n * TILE, D // G)
     vz = jnp.swapaxes(vp[:, :, :, :, 1][..., inv_v], -1, -2).reshape(b, h, n * TILE, D // G)
     return dict(
-        k_codes=pack_planar(kq), k_scale=ks, k_zero=kz, k_norm=kn[:, :, :lq],
-        v_codes=pack_planar(vq), v_scale=vs[:, :, :lq], v_zero=vz[:, :, :lq],
+        k_codes=quant.pack(kq, 2), k_scale=ks, k_zero=kz, k_norm=kn[:, :, :lq],
+        v_codes=quant.pack(vq, 2), v_scale=vs[:, :, :lq], v_zero=vz[:, :, :lq],
     )  # fmt: skip
 
 

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float
 
 from oscar_jax import attention as att
-from oscar_jax import backends, ring
+from oscar_jax import backends, record, ring
 from oscar_jax import cache as kvc
 from oscar_jax import flush as fl
 from oscar_jax.cache import KVCache
@@ -104,7 +104,7 @@ def check_mesh(cache: KVCache, mesh: Mesh, ax: MeshAxes = AXES, leading_axes: in
             f"num_kv_heads={cache.num_kv_heads} must be divisible by the {ax.model} axis ({nm})"
         )
     if cache.cfg.quantized:  # whole groups (records of 64 tokens for layout='record') a shard
-        need = ns * (64 if cache.cfg.layout == "record" else cache.cfg.group_size)
+        need = ns * (record.TILE if cache.cfg.layout == "record" else cache.cfg.group_size)
         if cache.quant_capacity % need:
             raise ValueError(
                 f"quantized capacity {cache.quant_capacity} must be divisible by "

@@ -63,8 +63,6 @@ from oscar_jax.record import (
     G,
     fragment_layout,
     fragment_layout_inverse,
-    pack_planar,
-    unpack_planar,
 )
 from pallas_kernels.decode.mosaic._cache import (
     decode_attention_mosaic,
@@ -86,5 +84,5 @@ __all__ = [
     "decode_attention_mosaic", "fragment_layout", "fragment_layout_inverse",
     "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_partials",
     "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring", "merge_step_for",
-    "pack_planar", "unpack_planar", "unsupported_reason",
+    "unsupported_reason",
 ]  # fmt: skip
