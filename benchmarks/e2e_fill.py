@@ -139,6 +139,9 @@ def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int):
     names = [f.name for f in dataclasses.fields(oj.KVCache) if f.name not in ("cfg", "max_len")]
 
     def one(shapes, layer, n_tokens):
+        if shapes.cfg.layout == "record":  # random planar fields, converted exactly
+            planar = jax.eval_shape(functools.partial(oj.convert_layout, layout="planar"), shapes)
+            return oj.convert_layout(one(planar, layer, n_tokens), "record")
         vals = {}
         for i, name in enumerate(names):
             s = getattr(shapes, name)
