@@ -132,9 +132,9 @@ def _random_field(salt: int, s, name):
 
 
 @functools.lru_cache(maxsize=64)
-def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int):
-    """One jitted allocator per (shapes, shardings, fill) of the per-layer caches: n_tokens
-    is an argument."""
+def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int, first_layer: int = 0):
+    """One jitted allocator per (shapes, shardings, fill) of the per-layer caches (layers
+    ``first_layer``...): n_tokens is an argument."""
     caches = jax.tree_util.tree_unflatten(tree, leaves)
     names = [f.name for f in dataclasses.fields(oj.KVCache) if f.name not in ("cfg", "max_len")]
 
@@ -154,7 +154,7 @@ def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int):
         return oj.KVCache(**vals, cfg=shapes.cfg, max_len=shapes.max_len)
 
     def build(n_tokens):
-        return tuple(one(c, layer, n_tokens) for layer, c in enumerate(caches))
+        return tuple(one(c, first_layer + i, n_tokens) for i, c in enumerate(caches))
 
     return jax.jit(build, out_shardings=jax.tree_util.tree_map(lambda s: s.sharding, caches))
 
@@ -169,9 +169,17 @@ def make_caches(shapes, n_tokens: int, fill: str = "random", seed: int = 0):
     if fill not in ("random", "zeros", "encode"):
         raise ValueError(f"fill={fill!r} must be random, zeros or encode")
     shard = jax.tree_util.tree_map(lambda s: s.sharding, shapes)
-    leaves, tree = jax.tree_util.tree_flatten(shapes)
-    build = _cache_builder(tuple(leaves), tree, fill != "random", seed)
-    caches = build(jnp.int32(n_tokens))
+    if fill == "random" and shapes and shapes[0].cfg.layout == "record":
+        # one program a layer: the planar fields a record cache is converted from would
+        # double an all-layer program's peak (out of memory at the largest batch)
+        parts = []
+        for i, layer in enumerate(shapes):
+            leaves, tree = jax.tree_util.tree_flatten((layer,))
+            parts += _cache_builder(tuple(leaves), tree, False, seed, i)(jnp.int32(n_tokens))
+        caches = tuple(parts)
+    else:
+        leaves, tree = jax.tree_util.tree_flatten(shapes)
+        caches = _cache_builder(tuple(leaves), tree, fill != "random", seed)(jnp.int32(n_tokens))
     caches = jax.device_put(caches, shard)  # empty fields (bf16: no quantized part) may differ
     if fill == "encode":
         caches = encode_fill(caches, n_tokens, seed)
