@@ -95,10 +95,10 @@ def expert_path(cfg, batch: int) -> str:
     return "gather" if 2 * batch * cfg.num_experts_per_tok <= cfg.num_experts else "ragged"
 
 
-def decode_program(cfg, params, kv, impl, batch, max_len, variant="full"):
+def decode_program(cfg, params, kv, impl, batch, max_len, variant="full", encode="xla"):
     """The compiled decode loop of ``variant`` at ``batch`` (shapes only: nothing allocated)
     -> (compiled, info, cache shapes)."""
-    st = ec.static(cfg, kv, max_len, "bench_skip" if variant == "no_attention" else impl)
+    st = ec.static(cfg, kv, max_len, "bench_skip" if variant == "no_attention" else impl, encode)
     step = None
     if variant == "no_experts":
         st, step = st._replace(pad_id=st.pad_id + 1), no_experts_step
@@ -110,12 +110,13 @@ def decode_program(cfg, params, kv, impl, batch, max_len, variant="full"):
     return compiled, info, shapes
 
 
-def time_decode(cfg, params, kv, impl, batch, ctx, steps, repeats, variant="full", program=None):
+def time_decode(cfg, params, kv, impl, batch, ctx, steps, repeats, variant="full", program=None,
+                encode="xla"):  # fmt: skip
     """ms per step of ``variant`` ("full", "no_attention", "no_experts") at batch x ctx
     (``program``: ``decode_program``'s result for these arguments, compiled already)."""
     max_len = ctx + steps[1] + 8
     compiled, info, shapes = program or decode_program(cfg, params, kv, impl, batch, max_len,
-                                                       variant)  # fmt: skip
+                                                       variant, encode)  # fmt: skip
     caches = ef.make_caches(shapes, ctx)
     tok = jax.device_put(jnp.zeros((batch,), jnp.int32), jax.devices()[0])
     res, args = ec.time_steps(compiled, ec.decode_args(params, caches, tok), steps, repeats)
@@ -124,13 +125,14 @@ def time_decode(cfg, params, kv, impl, batch, ctx, steps, repeats, variant="full
 
 
 def latency(cfg, params, spec, ctx, a) -> dict:
-    full = time_decode(cfg, params, spec.kv, spec.impl, 1, ctx, a.steps, a.repeats)
+    full = time_decode(cfg, params, spec.kv, spec.impl, 1, ctx, a.steps, a.repeats,
+                       encode=a.encode_impl)  # fmt: skip
     out = dict(cache=spec.label, batch=1, ctx=ctx, ms_per_token=full["ms_per_step"])
     if a.breakdown:
         na = time_decode(cfg, params, spec.kv, spec.impl, 1, ctx, a.steps, a.repeats,
-                         "no_attention")["ms_per_step"]  # fmt: skip
+                         "no_attention", encode=a.encode_impl)["ms_per_step"]  # fmt: skip
         ne = time_decode(cfg, params, spec.kv, spec.impl, 1, ctx, a.steps, a.repeats,
-                         "no_experts")["ms_per_step"]  # fmt: skip
+                         "no_experts", encode=a.encode_impl)["ms_per_step"]  # fmt: skip
         t = full["ms_per_step"]
         out.update(attention_ms=t - na, experts_ms=t - ne, rest_ms=na + ne - t,
                    no_attention_ms=na, no_experts_ms=ne)  # fmt: skip
@@ -158,7 +160,8 @@ def throughput(cfg, params, spec, batch, ctx, a) -> dict:
 
         def build(b):
             nonlocal program
-            program = decode_program(cfg, params, spec.kv, spec.impl, b, max_len)
+            program = decode_program(cfg, params, spec.kv, spec.impl, b, max_len,
+                                     encode=a.encode_impl)  # fmt: skip
             return program[:2]
 
         fit, compiled, _ = ec.fit_batch(build, row, free, max_batch=a.max_batch)
@@ -168,7 +171,7 @@ def throughput(cfg, params, spec, batch, ctx, a) -> dict:
     while True:
         try:
             r = time_decode(cfg, params, spec.kv, spec.impl, batch, ctx, a.steps, a.repeats,
-                            program=program)  # fmt: skip
+                            program=program, encode=a.encode_impl)  # fmt: skip
             break
         except Exception as e:  # noqa: BLE001
             if not ec.is_oom(e) or batch == 1:
@@ -220,6 +223,9 @@ def parse_args(argv=None):
     ap.add_argument("--workloads", default="lat32k,lat128k,tpmax32k,experts")
     ap.add_argument("--caches", default="bf16,oscar2", help="name[:impl],...")
     ap.add_argument("--impl", default=None, help="attention kernel (default triton; tiny: xla)")
+    ap.add_argument("--encode-impl", default=None,
+                    help="decode-time cache writes: triton (one fused launch a layer; default "
+                    "on a GPU) or xla (default on the CPU)")  # fmt: skip
     ap.add_argument("--steps", default=None, help="loop lengths n1,n2 (default 4,36; tiny 2,6)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-breakdown", dest="breakdown", action="store_false")
@@ -260,10 +266,11 @@ def main(argv=None):
     ec.setup_jax(a.compile_cache)
     cfg = model_config(a.tiny)
     specs = ec.parse_caches(a.caches, a.impl or ("xla" if a.tiny else "triton"))
+    a.encode_impl = a.encode_impl or ("xla" if a.tiny else "triton")
     shapes = TINY if a.tiny else FULL
     dev = jax.devices()[0]
     result = dict(device=str(dev.device_kind), jax=jax.__version__, tiny=a.tiny,
-                  xla_flags=os.environ.get("XLA_FLAGS", ""),
+                  xla_flags=os.environ.get("XLA_FLAGS", ""), encode_impl=a.encode_impl,
                   config=dict(layers=cfg.num_layers, experts=cfg.num_experts,
                               top_k=cfg.num_experts_per_tok, hidden=cfg.hidden_size),
                   date=time.strftime("%Y-%m-%d"), rows=[])  # fmt: skip
