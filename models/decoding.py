@@ -220,7 +220,7 @@ def prepare(
     lengths=None,
     max_len: int | None = None,
     cache_dtype=None,
-    implementation: str | Backends = "xla",
+    implementation: str | Backends = "auto",
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -340,7 +340,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     stop_tokens=None,
-    implementation: str | Backends = "xla",
+    implementation: str | Backends = "auto",
     *,
     max_len: int | None = None,
     cache_dtype=None,
@@ -357,11 +357,14 @@ def generate(
     (default: the config's eos ids; ``()`` for none) end a row: it emits the stop
     token, then ``pad_token_id``. ``max_len`` is the cache capacity per row (default:
     prompt bucket + max_new_tokens). ``cache_dtype`` defaults to the model's dtype.
-    ``implementation``: the backends of the call (``oscar_jax.Backends``): a name ("xla",
-    "triton") selects it for the attention (with ``mesh``: the per-shard partial of
-    ``sharded_decode_attention``), the encoder of ``oj.prefill`` / ``oj.append``, and the
-    one-launch cache write; ``Backends(attention=..., encode=..., cache_write=...,
-    prompt_attention=...)`` sets each part.
+    ``implementation``: the backends of the call (``oscar_jax.Backends``): "auto" (the
+    default) picks the decode attention per device and cache (``oscar_jax.backends.choose``:
+    Mosaic for a layout='record' cache on a Hopper GPU, Triton on a GPU, XLA on the CPU)
+    with the XLA encoder and cache write; a name ("xla", "triton") selects it for the
+    attention (with ``mesh``: the per-shard partial of ``sharded_decode_attention``), the
+    encoder of ``oj.prefill`` / ``oj.append``, and the one-launch cache write;
+    ``Backends(attention=..., encode=..., cache_write=..., prompt_attention=...)`` sets each
+    part.
     info [B] each: ``stop_reason`` (``STOP_*``: 0 ran to max_new_tokens, 1 stop token,
     2 cache full, 3 non-finite K/V or logits, 4 clipped length; the first reason wins),
     ``num_tokens`` (tokens before the pads: ``out[i, num_tokens[i]:]`` are all

@@ -131,7 +131,7 @@ def decode_attention(
     q: Float[Array, "B Hq D"],
     cache: KVCache,
     *,
-    implementation: str = "xla",
+    implementation: str = "auto",
     softmax_scale: float | None = None,
     **options,
 ) -> Float[Array, "B Hq D"]:
@@ -140,7 +140,9 @@ def decode_attention(
     ``implementation``: a backend of ``oscar_jax.backends.TABLES["decode_attention"]``:
     "xla" (the pure-JAX reference), "triton" (the fused INT2/INT4 flash-decoding kernel
     of ``pallas_kernels.decode``; interpret mode without a GPU), "mosaic" (the Mosaic GPU
-    INT2 kernel over a layout='record' cache; Hopper GPU, jax >= 0.11.2), or a callable
+    INT2 kernel over a layout='record' cache; Hopper GPU, jax >= 0.11.2), "auto" (the
+    default: the first of mosaic, triton, xla that runs here and covers the cache,
+    ``backends.choose``; XLA without a GPU), or a callable
     ``fn(q, cache, *, softmax_scale=None, **options)``.
     Rows whose cache has ``FLAG_NONFINITE`` return NaN (``poison_flagged_rows``).
     """

@@ -13,9 +13,15 @@ registration code. Names are the same for every op:
   jax >= 0.11.2 and a Hopper GPU, else a ValueError on lookup); it reads a cache of
   ``KVQuantConfig(layout="record")`` as it is and refuses a planar one.
 
+- ``"auto"`` (``decode_attention`` and ``quantized_partial``; the default): the first
+  backend of ``AUTO_ORDER`` that runs on this device and covers the call, by the
+  kernels' own coverage functions (``COVERAGE``): Mosaic for a record cache on a Hopper
+  GPU, Triton on a GPU, XLA otherwise. ``choose`` says what it picks and why each earlier
+  one was passed over.
+
 An op can also be given a callable of the op's signature (e.g. a baseline under test).
-An unknown or unavailable backend raises a ``ValueError`` naming it and what is
-available; nothing falls back silently.
+An unknown or unavailable backend named explicitly raises a ``ValueError`` naming it and
+what is available; nothing falls back silently.
 
 ``Backends`` bundles the choice for a decode step that composes several ops (attention,
 encoder, one-launch cache write, prompt attention): ``Backends.of("triton")`` selects
@@ -27,6 +33,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable
+
+from oscar_jax.devices import gpu_available
 
 # op -> backend -> function or "module:function" (imported on first use)
 TABLES: dict[str, dict[str, Callable | str]] = {
@@ -55,6 +63,17 @@ TABLES: dict[str, dict[str, Callable | str]] = {
     },
 }
 ALIASES = {"pallas": "triton"}
+# implementation="auto": the order tried, and each kernel's coverage function
+# fn(cache, g) -> None (covered) or why not (g: query heads per KV head); XLA covers all
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "decode_attention": ("mosaic", "triton", "xla"),
+    "quantized_partial": ("triton", "xla"),
+}
+COVERAGE: dict[tuple[str, str], str] = {
+    ("decode_attention", "mosaic"): "pallas_kernels.decode.mosaic:unsupported_reason",
+    ("decode_attention", "triton"): "pallas_kernels.decode.triton:unsupported_reason",
+    ("quantized_partial", "triton"): "pallas_kernels.decode.triton:unsupported_reason",
+}
 # decode_attention backends that return NaN for FLAG_NONFINITE rows themselves
 POISONING = frozenset({("decode_attention", "triton"), ("decode_attention", "mosaic")})
 _RESOLVED: dict[tuple[str, str], Callable] = {}
@@ -69,6 +88,8 @@ def canonical(op: str, implementation) -> str | Callable:
         raise ValueError(f"op={op!r} must be one of {sorted(TABLES)}")
     if callable(implementation):
         return implementation
+    if implementation == "auto" and op in AUTO_ORDER:
+        return "auto"
     if not isinstance(implementation, str):
         raise ValueError(
             f"implementation={implementation!r} must be a str, one of {available(op)}, "
@@ -88,6 +109,8 @@ def resolve(op: str, implementation) -> Callable:
     name = canonical(op, implementation)
     if callable(name):
         return name
+    if name == "auto":
+        return _AUTO[op]
     key = (op, name)
     if key not in _RESOLVED:
         entry = TABLES[op][name]
@@ -105,8 +128,67 @@ def resolve(op: str, implementation) -> Callable:
 
 
 def available(op: str) -> tuple[str, ...]:
-    """The backend names of ``op`` (aliases included), sorted."""
-    return tuple(sorted({*TABLES[op], *(a for a, n in ALIASES.items() if n in TABLES[op])}))
+    """The backend names of ``op`` (aliases and "auto" included), sorted."""
+    names = {*TABLES[op], *(a for a, n in ALIASES.items() if n in TABLES[op])}
+    return tuple(sorted(names | ({"auto"} if op in AUTO_ORDER else set())))
+
+
+def choose(op: str, cache, g: int) -> tuple[str, dict[str, str]]:
+    """The backend ``implementation="auto"`` runs for ``op`` over ``cache`` with ``g``
+    query heads per KV head, and why each backend before it in ``AUTO_ORDER`` was not.
+
+    Triton counts only on a GPU (without one it runs in interpret mode, for tests); a
+    kernel that cannot be imported here (e.g. Mosaic without a Hopper GPU) is passed over
+    with the import's reason. Decided at trace time from static shapes and config."""
+    skipped: dict[str, str] = {}
+    for name in AUTO_ORDER[op]:
+        why = None
+        if name != "xla":
+            if not gpu_available():
+                why = "no GPU"
+            else:
+                try:
+                    resolve(op, name)
+                    module, _, attr = COVERAGE[op, name].partition(":")
+                    why = getattr(importlib.import_module(module), attr)(cache, g)
+                except (ValueError, ImportError) as e:
+                    why = str(e)
+        if why is None:
+            return name, skipped
+        skipped[name] = why
+    raise AssertionError(f"AUTO_ORDER[{op!r}] must end with 'xla'")  # internal invariant
+
+
+def pick(op: str, implementation, cache, g: int) -> str | Callable:
+    """``implementation`` with "auto" replaced by ``choose``'s backend (else canonical)."""
+    name = canonical(op, implementation)
+    return choose(op, cache, g)[0] if name == "auto" else name
+
+
+def _no_options(options: dict) -> None:
+    if options:
+        raise ValueError(
+            f"options {sorted(options)} tune one backend: pass its name as implementation=, "
+            "not 'auto'"
+        )
+
+
+def _auto_decode_attention(q, cache, *, softmax_scale=None, **options):
+    _no_options(options)
+    name = pick("decode_attention", "auto", cache, q.shape[1] // cache.num_kv_heads)
+    return resolve("decode_attention", name)(q, cache, softmax_scale=softmax_scale)
+
+
+def _auto_quantized_partial(q_rot, cache, scale, *, offset=0, **options):
+    _no_options(options)
+    name = pick("quantized_partial", "auto", cache, q_rot.shape[2])
+    return resolve("quantized_partial", name)(q_rot, cache, scale, offset=offset)
+
+
+_AUTO: dict[str, Callable] = {
+    "decode_attention": _auto_decode_attention,
+    "quantized_partial": _auto_quantized_partial,
+}
 
 
 def poisons(op: str, implementation) -> bool:
@@ -130,7 +212,7 @@ class Backends:
     "xla", or "auto").
     """
 
-    attention: str | Callable = "xla"
+    attention: str | Callable = "auto"
     encode: str | Callable = "xla"
     cache_write: str = "xla"
     prompt_attention: str = "auto"

@@ -153,19 +153,22 @@ def sharded_decode_attention(
     *,
     softmax_scale: float | None = None,
     ax: MeshAxes = AXES,
-    implementation: str = "xla",
+    implementation: str = "auto",
     **options,
 ) -> Float[Array, "B Hq D"]:
     """``decode_attention`` over a cache sharded in the default layout.
 
     ``implementation``: the shards' partial (``backends.TABLES["quantized_partial"]``),
-    "xla" (reference math) or "triton" (the INT kernel over the quantized part, the BF16
-    kernel over a ``bf16`` cache's ring slice; ``options``: their ``DecodeConfig`` fields).
+    "xla" (reference math), "triton" (the INT kernel over the quantized part, the BF16
+    kernel over a ``bf16`` cache's ring slice; ``options``: their ``DecodeConfig`` fields)
+    or "auto" (``backends.choose``: Triton on a GPU where it covers the cache, else XLA).
     """
-    att.check_query(q, cache)
+    g = att.check_query(q, cache)
     check_mesh(cache, mesh, ax)
+    if options and backends.canonical("quantized_partial", implementation) == "auto":
+        raise ValueError(f"options {sorted(options)} need implementation='triton', not 'auto'")
+    implementation = backends.pick("quantized_partial", implementation, cache, g)
     partial = backends.resolve("quantized_partial", implementation)
-    implementation = backends.canonical("quantized_partial", implementation)
     if options and implementation == "xla":
         raise ValueError(f"options {sorted(options)} need implementation='triton', not 'xla'")
     cfg = cache.cfg

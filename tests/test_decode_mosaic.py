@@ -10,6 +10,7 @@ XLA reference on the H200 (skipped elsewhere).
 import importlib.util
 import os
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,7 +107,10 @@ def test_record_fields_sit_where_the_kernel_reads_them():
 
 
 def test_unsupported_caches_are_named():
-    assert mk.unsupported_reason(_cache(1, 1, [300])) is None
+    planar = _cache(1, 1, [300])
+    assert mk.unsupported_reason(planar, convert=True) is None
+    assert "layout='record'" in mk.unsupported_reason(planar)
+    assert "g=17" in mk.unsupported_reason(planar, 17, convert=True)
     c4 = oj.init_cache(oj.preset("oscar", bits=4), batch=1, max_len=640, num_kv_heads=2,
                        head_dim=D)  # fmt: skip
     assert "bits=4" in mk.unsupported_reason(c4)
@@ -276,3 +280,24 @@ class TestMosaicGPU:
         want = oj.decode_attention(q, c, implementation="xla")  # = the planar cache's
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+
+class TestAutoOnGPU:
+    """implementation="auto" on the H200 (skipped elsewhere): Mosaic for a record cache,
+    Triton for a planar one, each equal to naming the backend."""
+
+    @pytest.fixture(autouse=True)
+    def _gpu(self):
+        if not oj.gpu_available() or _lowering_stack() is not None:
+            pytest.skip("needs a Hopper GPU and jax >= 0.11.2")
+
+    def test_auto_picks_the_kernels(self):
+        planar = _cache(5, 2, [1500, 333], rotate_values=False)
+        record = oj.convert_layout(planar, "record")
+        q = query(5, 2, 8, D, jnp.float32)
+        assert oj.backends.choose("decode_attention", record, 4)[0] == "mosaic"
+        assert oj.backends.choose("decode_attention", planar, 4)[0] == "triton"
+        for c, name in ((record, "mosaic"), (planar, "triton")):
+            got = jax.jit(lambda q, c: oj.decode_attention(q, c))(q, c)
+            want = jax.jit(lambda q, c, n=name: oj.decode_attention(q, c, implementation=n))(q, c)
+            chex.assert_trees_all_equal(got, want)

@@ -73,18 +73,35 @@ from pallas_kernels.decode.partials import (
 )
 
 
+def unsupported_reason(cache, g: int) -> str | None:
+    """Why the Triton kernels cannot take ``cache`` with ``g`` query heads per KV head
+    (None: they can); ``oscar_jax.backends.COVERAGE``'s entry and both entry points' check."""
+    if cache.cfg.layout != "planar":
+        return f"implementation='triton' reads layout='planar', not {cache.cfg.layout!r}"
+    if cache.head_dim not in (64, 128, 256):
+        return f"head_dim={cache.head_dim} must be 64, 128 or 256 for the pallas decode kernel"
+    if g > GP:
+        return f"GQA ratio num_q_heads/num_kv_heads={g} must be <= {GP}"
+    if cache.cfg.quantized and cache.cfg.bits not in (2, 4):
+        return f"bits={cache.cfg.bits} must be 2 or 4 for the pallas decode kernel"
+    return None
+
+
+def _check(cache, g: int) -> None:
+    why = unsupported_reason(cache, g)
+    if why is not None:
+        raise ValueError(why)
+
+
 def decode_attention_triton(q, cache, *, softmax_scale=None, **options):
     """``decode_attention(..., implementation="triton")``; options: DecodeConfig fields.
     Rows with ``FLAG_NONFINITE`` come back NaN (in the merge kernel where it runs)."""
     g = check_query(q, cache)
     check_layout(cache, "planar", "implementation='triton'")
+    _check(cache, g)
     kcfg = cache.cfg
     b, hq, d = q.shape
     h = cache.num_kv_heads
-    if d not in (64, 128, 256):
-        raise ValueError(f"head_dim={d} must be 64, 128 or 256 for the pallas decode kernel")
-    if g > GP:
-        raise ValueError(f"GQA ratio num_q_heads/num_kv_heads={g} must be <= {GP}")
     scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
     f32 = jnp.float32
     qg = q.astype(f32).reshape(b, h, g, d)
@@ -92,8 +109,6 @@ def decode_attention_triton(q, cache, *, softmax_scale=None, **options):
         cfg = choose_config(b, h, cache.slots, block=128, **options)
         out = decode_bf16.decode_bf16(qg * scale, cache, cfg)
         return poison_flagged_rows(out.reshape(b, hq, d).astype(q.dtype), cache)
-    if kcfg.bits not in (2, 4):
-        raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     cfg = choose_config(b, h, cache.quant_capacity, kcfg.group_size, **options)
     fused = cache.quant_capacity and cfg.fuse_ring and ring_block(cache.slots) >= 16
     in_rot = fused and cfg.rotate_in_kernel and in_kernel_rotation_applies(kcfg, d)
@@ -163,15 +178,12 @@ def quantized_partial_triton(q_rot, cache, scale, *, offset=0, **options):
     check_layout(cache, "planar", "implementation='triton'")
     kcfg = cache.cfg
     b, h, g, d = q_rot.shape
-    if d not in (64, 128, 256):
-        raise ValueError(f"head_dim={d} must be 64, 128 or 256 for the pallas decode kernel")
+    _check(cache, g)
     if not kcfg.quantized:
         cfg = choose_config(b, h, cache.slots, block=128, **options)
         n = jnp.clip(cache.lengths.astype(jnp.int32) - offset, 0, cache.slots)
         acc, m, lsum = decode_bf16.bf16_partials(q_rot * scale, cache, cfg, lengths=n)
         return acc[:, :, :g], m[:, :, :g], lsum[:, :, :g]
-    if kcfg.bits not in (2, 4):  # (a GQA ratio g > GP: pad_query raises)
-        raise ValueError(f"bits={kcfg.bits} must be 2 or 4 for the pallas decode kernel")
     lq = cache.quant_capacity
     cfg = choose_config(b, h, lq, kcfg.group_size, **options)
     if lq == 0:

@@ -12,13 +12,23 @@ from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._merge import int2_decode_attention, int2_decode_attention_2launch
 
 
-def unsupported_reason(cache) -> str | None:
-    """Why ``decode_attention_mosaic`` cannot take this cache (None: it can)."""
+def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
+    """Why ``decode_attention_mosaic`` cannot take this cache with ``g`` query heads per KV
+    head (None: it can; ``convert``: a planar cache converted on every call counts);
+    ``oscar_jax.backends.COVERAGE``'s entry."""
     why = cache.cfg.record_reason(cache.head_dim)
     if why is not None:
         return f"the Mosaic kernel needs {why}"
     if cache.quant_capacity == 0:
         return "the cache has no quantized part"
+    if g > NPAD:
+        return f"GQA ratio g={g} must be <= {NPAD} for the Mosaic kernel"
+    if cache.cfg.layout != "record" and not convert:
+        return (
+            f"decode_attention_mosaic reads a cache of layout='record'; this one has "
+            f"layout={cache.cfg.layout!r} (make it with KVQuantConfig(layout='record'), or "
+            "pass convert=True to convert it on every call)"
+        )
     return None
 
 
@@ -59,20 +69,12 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     launch where values are unrotated, else XLA. NaN for FLAG_NONFINITE rows as the
     library's attention. ValueError for a cache ``unsupported_reason`` names.
     """
-    reason = unsupported_reason(cache)
+    g = att.check_query(q, cache)
+    reason = unsupported_reason(cache, g, convert)
     if reason is not None:
         raise ValueError(f"decode_attention_mosaic: {reason}")
-    if cache.cfg.layout != "record" and not convert:
-        raise ValueError(
-            f"decode_attention_mosaic reads a cache of layout='record'; this one has "
-            f"layout={cache.cfg.layout!r} (make it with KVQuantConfig(layout='record'), or "
-            "pass convert=True to convert it on every call)"
-        )
     if merge not in ("auto", "xla", "mosaic"):
         raise ValueError(f"{merge=} must be 'auto', 'xla' or 'mosaic'")
-    g = att.check_query(q, cache)
-    if g > NPAD:
-        raise ValueError(f"GQA ratio g={g} must be <= {NPAD} for the Mosaic kernel")
     kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
     if merge == "mosaic" and kcfg.rotate_values:
         raise ValueError("merge='mosaic' needs values stored unrotated (rotate_values=False)")
