@@ -9,9 +9,10 @@ registration code. Names are the same for every op:
 - ``"xla"``: the pure-JAX reference (any device);
 - ``"triton"``: the Pallas kernels lowered through Triton (``pallas_kernels``; Pallas
   interpret mode without a GPU). ``"pallas"`` is accepted as another name for it.
-- ``"mosaic"``: the Pallas Mosaic GPU INT2 decode kernel (``decode_attention`` only;
-  jax >= 0.11.2 and a Hopper GPU, else a ValueError on lookup); it reads a cache of
-  ``KVQuantConfig(layout="record")`` as it is and refuses a planar one.
+- ``"mosaic"``: the Pallas Mosaic GPU INT2 decode kernel (``decode_attention`` and the
+  sequence shard's ``quantized_partial``; jax >= 0.11.2 and a Hopper GPU, else a
+  ValueError on lookup); it reads a cache of ``KVQuantConfig(layout="record")`` as it is
+  and refuses a planar one.
 
 - ``"auto"`` (``decode_attention`` and ``quantized_partial``; the default): the first
   backend of ``AUTO_ORDER`` that runs on this device and covers the call, by the
@@ -49,6 +50,7 @@ TABLES: dict[str, dict[str, Callable | str]] = {
     "quantized_partial": {
         "xla": "oscar_jax.attention:quantized_partial",
         "triton": "pallas_kernels.decode.triton:quantized_partial_triton",
+        "mosaic": "pallas_kernels.decode.mosaic.backend:quantized_partial",
     },
     # fn(k [B, H, T, D], v, cfg, **options) -> (EncodedKeys, EncodedValues)
     "encode": {
@@ -67,12 +69,13 @@ ALIASES = {"pallas": "triton"}
 # fn(cache, g) -> None (covered) or why not (g: query heads per KV head); XLA covers all
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "decode_attention": ("mosaic", "triton", "xla"),
-    "quantized_partial": ("triton", "xla"),
+    "quantized_partial": ("mosaic", "triton", "xla"),
 }
 COVERAGE: dict[tuple[str, str], str] = {
     ("decode_attention", "mosaic"): "pallas_kernels.decode.mosaic:unsupported_reason",
     ("decode_attention", "triton"): "pallas_kernels.decode.triton:unsupported_reason",
     ("quantized_partial", "triton"): "pallas_kernels.decode.triton:unsupported_reason",
+    ("quantized_partial", "mosaic"): "pallas_kernels.decode.mosaic:unsupported_reason",
 }
 # decode_attention backends that return NaN for FLAG_NONFINITE rows themselves
 POISONING = frozenset({("decode_attention", "triton"), ("decode_attention", "mosaic")})

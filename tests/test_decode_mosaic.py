@@ -19,6 +19,8 @@ from helpers import kv_with_sinks, query
 from tolerances import tol
 
 import oscar_jax as oj
+from oscar_jax import attention as att
+from oscar_jax import sharding as osh
 from pallas_kernels.decode import mosaic as mk
 
 D = 128
@@ -193,6 +195,20 @@ def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values):
     fn.trace(query(3, 2, 8, D), c).lower(lowering_platforms=("cuda",))
 
 
+def test_default_block_divides_a_shards_capacity():
+    assert [mk.default_config(n).block_tokens for n in (64, 128, 320, 512)] == [64, 128, 64, 256]
+
+
+@pytest.mark.usefixtures("lowering_stack")
+def test_shard_partial_lowers_for_sm90():
+    """The "mosaic" quantized_partial (sequence shards) on a record cache, at an offset."""
+    c = _cache(4, 2, [400, 90], layout="record", max_len=640)
+    q_rot = jax.ShapeDtypeStruct((2, 2, 4, D), jnp.float32)
+    cfg = mk.default_config(64)
+    fn = jax.jit(lambda q, c: mk.quantized_partial_mosaic(q, c, 0.1, offset=64, cfg=cfg))
+    fn.trace(q_rot, c).lower(lowering_platforms=("cuda",))
+
+
 def _qdtype(param_dtype):
     """Queries (and so outputs) in float32 for float16 parameters: a bfloat16 output's own
     rounding (2^-9 relative) would exceed float16's bound and hide the kernel's error."""
@@ -280,6 +296,37 @@ class TestMosaicGPU:
         want = oj.decode_attention(q, c, implementation="xla")  # = the planar cache's
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+
+class TestShardPartialOnGPU:
+    """The "mosaic" quantized_partial against the XLA one (H200; skipped elsewhere)."""
+
+    @pytest.fixture(autouse=True)
+    def _gpu(self):
+        if not oj.gpu_available() or _lowering_stack() is not None:
+            pytest.skip("needs a Hopper GPU and jax >= 0.11.2")
+
+    @pytest.mark.parametrize("offset,g", [(0, 4), (128, 7), (4096, 3)])
+    def test_matches_xla(self, offset, g):
+        c = _cache(6, 3, [1900, 0, 700], layout="record", max_len=2048 + 128 + 64)
+        q_rot = jax.random.normal(jax.random.key(2), (3, 2, g, D), jnp.float32)
+        got = jax.jit(lambda q, c: mk.quantized_partial_mosaic(q, c, 0.09, offset=offset))(q_rot, c)
+        want = jax.jit(lambda q, c: att.quantized_partial(q, c, 0.09, offset=offset))(q_rot, c)
+        # m: natural-log units, -inf where the shard holds no token; acc and l relative to it
+        chex.assert_trees_all_equal(jnp.isinf(got[1]), jnp.isinf(want[1]))
+        w = jnp.exp(got[1] - jnp.where(jnp.isinf(want[1]), got[1], want[1]))
+        tol = 5e-3
+        chex.assert_trees_all_close(got[2], want[2] / w, rtol=tol, atol=tol)
+        scale = jnp.max(jnp.abs(want[0]))
+        chex.assert_trees_all_close(got[0] / scale, want[0] / w[..., None] / scale, atol=tol)
+
+    def test_sequence_sharded_backend_matches_xla(self):
+        mesh = jax.make_mesh((1, 1, 1), ("data", "model", "sequence"))
+        c = _cache(7, 2, [1500, 333], layout="record", rotate_values=False, max_len=2048 + 128)
+        q = query(7, 2, 8, D, jnp.float32)
+        got = osh.sharded_decode_attention(q, c, mesh, implementation="mosaic")
+        want = osh.sharded_decode_attention(q, c, mesh, implementation="xla")
+        chex.assert_trees_all_close(got, want, atol=5e-3 * float(jnp.max(jnp.abs(want))))
 
 
 class TestAutoOnGPU:

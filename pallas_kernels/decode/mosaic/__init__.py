@@ -66,7 +66,9 @@ from oscar_jax.record import (
 )
 from pallas_kernels.decode.mosaic._cache import (
     decode_attention_mosaic,
+    default_config,
     kernel_inputs,
+    quantized_partial_mosaic,
     unsupported_reason,
 )
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
@@ -81,8 +83,8 @@ from pallas_kernels.decode.mosaic._merge import (
 
 __all__ = [
     "D", "G", "LOG2E", "NPAD", "OFFSETS", "TILE", "WORDS", "Int2DecodeConfig",
-    "decode_attention_mosaic", "fragment_layout", "fragment_layout_inverse",
+    "decode_attention_mosaic", "default_config", "fragment_layout", "fragment_layout_inverse",
     "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_partials",
     "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring", "merge_step_for",
-    "unsupported_reason",
+    "quantized_partial_mosaic", "unsupported_reason",
 ]  # fmt: skip

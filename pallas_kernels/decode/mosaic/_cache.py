@@ -8,7 +8,8 @@ from oscar_jax import attention as att
 from oscar_jax import hadamard
 from oscar_jax.cache import _residual_tokens
 from oscar_jax.record import D, fragment_layout
-from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
 from pallas_kernels.decode.mosaic._merge import int2_decode_attention, int2_decode_attention_2launch
 
 
@@ -30,6 +31,12 @@ def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
             "pass convert=True to convert it on every call)"
         )
     return None
+
+
+def default_config(capacity: int) -> Int2DecodeConfig:
+    """The default tuning with the largest block of 256, 128 or 64 tokens that divides the
+    quantized capacity (a record cache holds whole 64-token records)."""
+    return Int2DecodeConfig(block_tokens=next(b for b in (256, 128, 64) if capacity % b == 0))
 
 
 def kernel_inputs(cache, *, block_tokens: int = 256):
@@ -81,7 +88,7 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     if merge == "auto":
         merge = "xla" if kcfg.rotate_values else "mosaic"
     pdt = jnp.dtype(kcfg.scale_dtype)
-    cfg = cfg or Int2DecodeConfig()
+    cfg = cfg or default_config(cache.quant_capacity)
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, D)
     q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
@@ -95,3 +102,28 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
                                     ring_valid, cfg=cfg, softmax_scale=softmax_scale,
                                     param_dtype=pdt, unrotate=unrot)  # fmt: skip
     return att.poison_flagged_rows(out.reshape(q.shape).astype(q.dtype), cache)
+
+
+def quantized_partial_mosaic(q_rot, cache, scale, *, offset=0, cfg: Int2DecodeConfig = None):
+    """``oscar_jax.attention.quantized_partial`` by the Mosaic kernel, for a sequence shard
+    of a layout='record' cache (global quantized positions offset..; ``cache.lengths`` are
+    global): q_rot [b, h, g, 128] f32 (unscaled) -> (acc [b, h, g, 128] in the stored value
+    basis, m [b, h, g] natural-log units, -inf where the shard has no token, l [b, h, g]).
+    The splits are merged here, in XLA."""
+    b, h, g, _ = q_rot.shape
+    reason = unsupported_reason(cache, g)
+    if reason is not None:
+        raise ValueError(f"quantized_partial_mosaic: {reason}")
+    lq = cache.quant_capacity
+    cfg = cfg or default_config(lq)
+    rec, kn, _, _ = kernel_inputs(cache, block_tokens=cfg.block_tokens)
+    nq = jnp.clip(cache.num_quantized().astype(jnp.int32) - offset, 0, lq)
+    acc, m2, l = int2_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=scale,
+                                      param_dtype=jnp.dtype(cache.cfg.scale_dtype))  # fmt: skip
+    acc = jnp.swapaxes(acc, -1, -2)[..., :g, :]  # [b, h, S, g, D]
+    m2, l = m2[..., :g], l[..., :g]
+    mt = jnp.max(m2, axis=2)
+    w = jnp.exp2(m2 - mt[:, :, None])
+    lsum = jnp.sum(l * w, axis=2)
+    m = jnp.where(lsum > 0, mt / LOG2E, -jnp.inf)
+    return jnp.sum(acc * w[..., None], axis=2), m, lsum

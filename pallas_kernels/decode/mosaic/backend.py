@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from oscar_jax.devices import gpu_available
-from pallas_kernels.decode.mosaic import decode_attention_mosaic
+from pallas_kernels.decode.mosaic import decode_attention_mosaic, quantized_partial_mosaic
 
 
 def unavailable_reason() -> str | None:
@@ -40,3 +40,9 @@ def decode_attention(q, cache, *, softmax_scale=None, **options):
     ``cfg`` (``Int2DecodeConfig``), ``merge`` ("auto", "xla", "mosaic"). FLAG_NONFINITE
     rows come back NaN."""
     return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, **options)
+
+
+def quantized_partial(q_rot, cache, scale, *, offset=0, **options):
+    """The "mosaic" entry of ``quantized_partial`` (a sequence shard's quantized part;
+    ``oscar_jax.sharding``): a layout='record' cache. Option: ``cfg``."""
+    return quantized_partial_mosaic(q_rot, cache, scale, offset=offset, **options)
