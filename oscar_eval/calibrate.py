@@ -4,7 +4,9 @@
 ``layer_kv`` runs the model at full precision over calibration windows and returns every
 layer's keys (post-RoPE, as the cache gets them) and values; ``calibrate`` fits each such
 method on them. The evaluation calibrates on the windows of the held-out text that
-follow the scored ones (``calibration_windows``): disjoint from what is scored.
+follow the scored ones (``calibration_windows``): disjoint from what is scored;
+``calibrate_heldout`` is that step, shared by the evaluation and
+``benchmarks/methods_needle.py``.
 """
 
 from __future__ import annotations
@@ -78,3 +80,17 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
             mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o))
         out.append(mt)
     return out
+
+
+def calibrate_heldout(
+    m: CausalLM, methods: list[Method], heldout, ctx: int, scored: int
+) -> tuple[list[Method], str | None]:
+    """The evaluation's calibration: the methods, those that ``needs_calibration`` fitted
+    on the ``calibration_windows`` of ``heldout`` (windows of ``ctx`` after the first
+    ``scored``), and a note saying so (None, and nothing run, when no method needs it)."""
+    if not any(getattr(mt.kv, "needs_calibration", False) for mt in methods):
+        return list(methods), None
+    cal = calibration_windows(heldout, ctx, scored, m.config.bos_token_id)
+    note = (f"calibrated methods fitted on the {len(cal)} windows of {ctx} tokens after the "
+            "scored ones")  # fmt: skip
+    return calibrate(m, methods, cal), note

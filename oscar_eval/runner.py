@@ -26,7 +26,7 @@ import numpy as np
 from models.model import CausalLM
 from oscar_eval import programs as ep
 from oscar_eval import tasks as et
-from oscar_eval.calibrate import calibrate, calibration_windows
+from oscar_eval.calibrate import calibrate_heldout
 from oscar_eval.common import make_encode, make_windows, parse_methods
 from oscar_eval.settings import Settings
 
@@ -149,11 +149,9 @@ def run_eval(
             for k_ in ("ppl", "ppl_nll", "ablations"):
                 res.pop(k_, None)
         res["ppl_key"], res["ppl_windows"] = key, int(len(windows))
-        if any(getattr(mt.kv, "needs_calibration", False) for mt in methods):
-            cal = calibration_windows(heldout, s.ctx, len(windows), bos)
-            methods = calibrate(m, methods, cal)
-            res["notes"].append(f"calibrated methods fitted on the {len(cal)} windows of "
-                                f"{s.ctx} tokens after the scored ones")  # fmt: skip
+        methods, note = calibrate_heldout(m, methods, heldout, s.ctx, len(windows))
+        if note:
+            res["notes"].append(note)
     batch, group = _resolve(s, 0 if windows is None else len(windows))
     log = lambda msg: ep.say(f"[{budget.elapsed():5.0f} s] {msg}", s.show_progress)  # noqa: E731
     ctx = et.Ctx(m, s, out_dir, res, memo, run, budget, stats, log, windows, tni_windows, batch,

@@ -133,3 +133,23 @@ def test_eval_niah_with_the_chat_template(chat_dir, tmp_path):
     res2 = ev.run_eval(m, None, str(tmp_path), s, model_dir=chat_dir)
     assert res2["niah"]["grid"]["chat"] is False
     assert res2["niah"]["first_tokens"][0] == m.config.bos_token_id
+
+
+def test_methods_needle_calibrates_as_the_evaluation(chat_dir, capsys):
+    """``benchmarks/methods_needle.py`` fits the calibrated methods as ``oscar-jax eval``
+    does (``calibrate_heldout`` on the held-out windows after the scored ones), so they
+    run through the teacher-forced needle; an unfitted one is refused there."""
+    from benchmarks import methods_needle
+
+    kv = parse_method("kvquant2_r16_g16").kv
+    with pytest.raises(ValueError, match="fitted first"):
+        eval_niah.answer_logprob(models.from_pretrained(chat_dir),
+                                 [{"ids": [0, 5, 6, 7], "answer_ids": [8]}], kv)  # fmt: skip
+    rows = methods_needle.main(["--model", chat_dir, "--length", "160", "--depths", "50",
+                                "--methods", "bf16,kvquant2_r16_g16",
+                                "--calib-ctx", "64", "--calib-scored", "1"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "calibrated methods fitted on the 2 windows of 64 tokens" in out
+    assert set(rows) == {"bf16", "kvquant2_r16_g16"}
+    assert rows["kvquant2_r16_g16"].shape == (1,) and np.isfinite(rows["kvquant2_r16_g16"]).all()
+    assert abs(rows["kvquant2_r16_g16"][0] - rows["bf16"][0]) > 1e-4  # the cache was quantized

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import models
@@ -48,3 +49,30 @@ def test_method_inputs_by_what_the_method_declares():
     assert eval_ppl.method_inputs(m.config, parse_method("oscarb2").kv, lp, pos)[
         "key_offset"
     ].shape == (32, 2, 32)
+
+
+def test_calibrate_heldout_fits_on_the_windows_after_the_scored_ones_only_when_needed():
+    m = _model()
+    text = np.random.default_rng(1).integers(1, 256, 400)
+    kivi = [parse_method("kivi2", 16, 16)]
+    assert ecal.calibrate_heldout(m, kivi, text[:8], 64, 4) == (kivi, None)  # text not read
+    mts, note = ecal.calibrate_heldout(m, [parse_method("kvquant2", 16, 16)], text, 64, 2)
+    assert note.startswith("calibrated methods fitted on the 2 windows of 64 tokens")
+    assert mts[0].kv.calibration is not None
+    with pytest.raises(ValueError, match="calibration needs 2 beyond the 5 scored"):
+        ecal.calibrate_heldout(m, [parse_method("kvquant2", 16, 16)], text, 64, 5)
+
+
+def test_eval_fits_the_calibrated_methods_on_the_windows_after_the_scored(tiny, tmp_path):
+    import oscar_eval
+
+    held = np.random.default_rng(4).integers(2, 256, 400)
+    s = oscar_eval.Settings(methods="bf16,kvquant2", tasks="ppl", ctx=64, ppl_windows=3,
+                            residual_length=16, group_size=16, show_progress=False,
+                            compile_workers=0)  # fmt: skip
+    res = oscar_eval.run_eval(tiny, held, str(tmp_path), s)
+    assert (
+        "calibrated methods fitted on the 2 windows of 64 tokens after the scored ones"
+        in res["notes"]
+    )
+    assert [r["method"] for r in res["ppl"]] == ["bf16", "kvquant2"]
