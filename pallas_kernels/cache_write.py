@@ -21,8 +21,13 @@ drops them (not ok, or not wholly inside the array). The caller's cache comes fr
 its ring still holds the group (read by the encoder, whose output this kernel takes,
 so XLA orders that read before the in-place write).
 
-It takes 0.7 ms off a Llama-3.1-8B INT2 step at batch 1, 32K and 128K, on the H200
-(BENCHMARKS.md).
+A layout='record' cache (the Mosaic kernel's) has four cache arrays (ring K and V, the
+records, the float32 norms): a flushed group's half-record words (``record.group_words``,
+built in XLA) are merged into record nq // 64 by the half's word mask, as
+``oscar_jax.ring``'s XLA write does.
+
+It takes 0.7 ms off a Llama-3.1-8B INT2 step (planar cache) at batch 1, 32K and 128K, on
+the H200 (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ from jax.experimental import pallas as pl
 from jax.sharding import PartitionSpec as P
 
 import oscar_jax
+from oscar_jax import record
 from oscar_jax import sharding as osh
 from oscar_jax.cache import KVCache, _rem
 from oscar_jax.flush import Flush, can_flush_early
 from oscar_jax.ring import ring_append_plan
 from pallas_kernels.decode.config import _pow2
 
+_ROWS = record.WORDS // 64  # a record as 25 rows of 64 words (Triton tiles are powers of 2)
 CACHE_FIELDS = ("k_res", "v_res", "k_codes", "k_scale", "k_zero", "k_norm",
                 "v_codes", "v_scale", "v_zero")  # fmt: skip
 
@@ -51,10 +58,6 @@ def unsupported_reason(cache) -> str | None:
     if not isinstance(cache, KVCache):
         return f"cache={type(cache).__name__} must be a KVCache"
     cfg = cache.cfg
-    if cfg.layout != "planar":
-        return (
-            f"layout={cfg.layout!r}: the fused write stores the planar layout (cache_write='xla')"
-        )
     if not can_flush_early(cache):
         return (
             f"cache must be quantized with residual_length >= 1 and a quantized part "
@@ -63,6 +66,8 @@ def unsupported_reason(cache) -> str | None:
         )
     if cache.slots != cache.slots_total:
         return f"cache.slots={cache.slots} must be {cache.slots_total} (an unsharded ring)"
+    if cfg.layout == "record":  # INT2, G 32, D 128 (KVQuantConfig validates): pow2 tiles
+        return None
     d, db = cache.head_dim, cache.k_codes.shape[3]
     nv = cache.v_scale.shape[3]
     if not (_pow2(d) and _pow2(db) and _pow2(nv)):
@@ -110,6 +115,35 @@ def _kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, ekc, eks, ekz, ekn, evc, 
         kn[pl.ds(pl.multiple_of(at, g), g)] = ekn[...]
 
 
+def _record_kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, words_ref, mask_ref, ekn, *refs,
+                   g: int):  # fmt: skip
+    """One (b, h) of a layout='record' cache: clear the flushed ring group, append the
+    token, merge the group's half-record into record at // 64 (25 rows of 64 words) and
+    store its float32 norms at kn[at : at + G]."""
+    kr, vr, rec, kn = refs[4:]  # the aliased outputs
+    slot, clr, at = slot_ref[0], clr_ref[0], at_ref[0]  # -1: nothing to write
+
+    @pl.when(clr >= 0)
+    def _():
+        c0 = pl.multiple_of(clr, g)
+        kr[pl.ds(c0, g), :] = jnp.zeros((g, kr.shape[1]), kr.dtype)
+        vr[pl.ds(c0, g), :] = jnp.zeros((g, vr.shape[1]), vr.dtype)
+
+    @pl.when(slot >= 0)
+    def _():
+        kr[pl.ds(slot, 1), :] = kt_ref[...]
+        vr[pl.ds(slot, 1), :] = vt_ref[...]
+
+    @pl.when(at >= 0)
+    def _():
+        base = jax.lax.div(at, jnp.int32(record.TILE)) * _ROWS
+        for r in range(_ROWS):
+            old = rec[pl.ds(base + r, 1), :]
+            new = jnp.where(mask_ref[pl.ds(r, 1), :] != 0, words_ref[pl.ds(r, 1), :], old)
+            rec[pl.ds(base + r, 1), :] = new
+        kn[pl.ds(pl.multiple_of(at, g), g)] = ekn[...]
+
+
 def _check(cache, k_t, v_t, todo) -> None:
     reason = unsupported_reason(cache)
     if reason is not None:
@@ -123,12 +157,13 @@ def _check(cache, k_t, v_t, todo) -> None:
             )
     if not isinstance(todo, Flush):
         raise ValueError(f"todo={type(todo).__name__} must be an oscar_jax.flush.Flush")
-    b, h, g = cache.batch, cache.num_kv_heads, cache.cfg.group_size
+    b, h, g, d = cache.batch, cache.num_kv_heads, cache.cfg.group_size, cache.head_dim
+    hn = 1 if cache.cfg.norm_granularity == "per_token" else h
     wants = dict(
-        codes=(b, h, g, cache.k_codes.shape[3]),
-        k_scale=(b, h, 1, cache.head_dim),
-        k_norm=(b, cache.k_norm.shape[1], g),
-        v_scale=(b, h, g, cache.v_scale.shape[3]),
+        codes=(b, h, g, d * cache.cfg.bits // 8),
+        k_scale=(b, h, 1, d),
+        k_norm=(b, hn, g),
+        v_scale=(b, h, g, d // g),
     )
     got = dict(codes=todo.ek.codes.shape, k_scale=todo.ek.scale.shape,
                k_norm=todo.ek.norm.shape, v_scale=todo.ev.scale.shape)  # fmt: skip
@@ -159,16 +194,12 @@ def fused_update(
     _check(cache, k_t, v_t, todo)
     if interpret is None:
         interpret = not oscar_jax.gpu_available()
+    if cache.cfg.layout == "record":
+        return _fused_update_records(cache, k_t, v_t, todo, interpret, num_warps)
     b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
     g, s, lq = cache.cfg.group_size, cache.slots, cache.quant_capacity
     db, nv, hn = cache.k_codes.shape[3], cache.v_scale.shape[3], cache.k_norm.shape[1]
-    ok, ring_slot, lengths, flags = ring_append_plan(cache, k_t, v_t)
-    nq, fl = todo.nq.astype(jnp.int32), todo.flush
-    in_range = (nq >= 0) & (nq + g <= lq)  # _set_rows drops a run not wholly in the array
-    none = jnp.int32(-1)
-    slot = jnp.where(ok, ring_slot, none)
-    clr = jnp.where(fl, _rem(nq, cache.slots_total), none)  # clear_groups' zeroed slots
-    at = jnp.where(fl & in_range, nq, none)
+    slot, clr, at, lengths, flags = _plan(cache, k_t, v_t, todo)
 
     def full(*shape):
         return pl.BlockSpec((None, None, *shape), lambda i, j: (i, j) + (0,) * len(shape))
@@ -215,6 +246,66 @@ def fused_update(
         lengths=lengths,
         flags=flags,
     )
+
+
+def _plan(cache, k_t, v_t, todo):
+    """(slot, clr, at) [B] int32 (-1: no write) and the new lengths and flags."""
+    g = cache.cfg.group_size
+    ok, ring_slot, lengths, flags = ring_append_plan(cache, k_t, v_t)
+    nq, fl = todo.nq.astype(jnp.int32), todo.flush
+    in_range = (nq >= 0) & (nq + g <= cache.quant_capacity)  # _set_rows drops partial runs
+    none = jnp.int32(-1)
+    slot = jnp.where(ok, ring_slot, none)
+    clr = jnp.where(fl, _rem(nq, cache.slots_total), none)  # clear_groups' zeroed slots
+    return slot, clr, jnp.where(fl & in_range, nq, none), lengths, flags
+
+
+def _fused_update_records(cache: KVCache, k_t, v_t, todo: Flush, interpret: bool,
+                          num_warps: int) -> KVCache:  # fmt: skip
+    """``fused_update`` of a layout='record' cache (``oscar_jax.ring._write_records``'s merge
+    of the group's half-record, in the kernel)."""
+    b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
+    g, s, lq = cache.cfg.group_size, cache.slots, cache.quant_capacity
+    slot, clr, at, lengths, flags = _plan(cache, k_t, v_t, todo)
+    ek, ev = todo.ek, todo.ev
+    half = _rem(jax.lax.div(jnp.maximum(todo.nq.astype(jnp.int32), 0), jnp.int32(g)), 2)
+    words = record.group_words(ek.codes, ek.scale, ek.zero, ev.codes, ev.scale, ev.zero, half,
+                               param_dtype=cache.cfg.scale_dtype)  # fmt: skip
+    mask = jnp.asarray(record.HALF_WORDS).astype(jnp.int32)[half]  # [B, 1600]
+    norm = jnp.broadcast_to(ek.norm.astype(jnp.float32), (b, h, g))
+    nrec = lq // record.TILE
+
+    def full(*shape):
+        return pl.BlockSpec((None, None, *shape), lambda i, j: (i, j) + (0,) * len(shape))
+
+    row = pl.BlockSpec((1,), lambda i, j: (i,))
+    mask_spec = pl.BlockSpec((None, _ROWS, 64), lambda i, j: (i, 0, 0))
+    cache_specs = [full(s, d), full(s, d), full(nrec * _ROWS, 64), full(lq)]
+    in_specs = [row, row, row, full(1, d), full(1, d), full(_ROWS, 64), mask_spec, full(g),
+                *cache_specs]  # fmt: skip
+    arrays = [cache.k_res, cache.v_res, cache.k_codes.reshape(b, h, nrec * _ROWS, 64),
+              cache.k_norm]  # fmt: skip
+    srcs = [k_t.astype(cache.k_res.dtype)[:, :, None], v_t.astype(cache.v_res.dtype)[:, :, None],
+            words.reshape(b, h, _ROWS, 64), mask.reshape(b, _ROWS, 64), norm]  # fmt: skip
+    nin = 3 + len(srcs)
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    kr, vr, rec, kn = pl.pallas_call(
+        functools.partial(_record_kernel, g=g),
+        grid=(b, h),
+        in_specs=in_specs,
+        out_specs=cache_specs,
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        input_output_aliases={nin + i: i for i in range(len(arrays))},
+        interpret=interpret,
+        name="oscar_cache_write_records",
+        **kwargs,
+    )(slot, clr, at, *srcs, *arrays)
+    return dataclasses.replace(cache, k_res=kr, v_res=vr, k_codes=rec.reshape(cache.k_codes.shape),
+                               k_norm=kn, lengths=lengths, flags=flags)  # fmt: skip
 
 
 def sharded_fused_update(

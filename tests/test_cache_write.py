@@ -44,11 +44,19 @@ CASES = {
     ),  # fmt: skip
     "int4_d128_per_head_bf16": dict(bits=4, d=128, norm="per_head", dtype=jnp.bfloat16),
     "int4_d64_per_token_f32": dict(bits=4, d=64, norm="per_token", dtype=jnp.float32),
+    # the Mosaic kernel's layout: a group's half-record merged into its record
+    "int2_d128_record_f16": dict(
+        bits=2, d=128, norm="per_head", dtype=jnp.bfloat16, layout="record"
+    ),  # fmt: skip
+    "int2_d128_record_per_token_bf16": dict(
+        bits=2, d=128, norm="per_token", dtype=jnp.float32, param_dtype="bfloat16", layout="record"
+    ),  # fmt: skip
 }
 
 
-def random_cache(bits, d, norm, dtype, h=2, seed=0, **cfg_kw):
-    """A cache whose every field is random (codes, params, norms, ring), flags mixed."""
+def random_cache(bits, d, norm, dtype, h=2, seed=0, layout="planar", **cfg_kw):
+    """A cache whose every field is random (codes, params, norms, ring), flags mixed; a
+    record-layout one is the random planar cache converted exactly."""
     cfg = oj.preset("oscar", bits=bits, group_size=32, residual_length=32,
                     norm_granularity=norm, **cfg_kw)  # fmt: skip
     b = len(LENGTHS)
@@ -61,10 +69,11 @@ def random_cache(bits, d, norm, dtype, h=2, seed=0, **cfg_kw):
             fields[name] = jax.random.randint(key, a.shape, 0, 256).astype(jnp.uint8)
         else:
             fields[name] = (1.0 + jax.random.normal(key, a.shape)).astype(a.dtype)
-    return dataclasses.replace(
+    c = dataclasses.replace(
         c, lengths=jnp.asarray(LENGTHS, jnp.int32),
         flags=jnp.asarray(np.arange(b) % 3 == 0, jnp.int32), **fields,
     )  # fmt: skip
+    return oj.convert_layout(c, layout)
 
 
 def token(cache, seed):
@@ -105,7 +114,10 @@ class TestCacheWriteGPU:
         flags = np.asarray(got.flags)
         assert flags[2] & oj.FLAG_OVERFLOW and flags[1] & oj.FLAG_NONFINITE
         for f in ("k_res", "k_codes", "v_scale", "k_norm"):  # the update wrote something
-            assert not np.array_equal(np.asarray(getattr(got, f)), np.asarray(getattr(cache, f)))
+            if getattr(cache, f).size:  # (a record cache keeps no planar v_scale)
+                assert not np.array_equal(
+                    np.asarray(getattr(got, f)), np.asarray(getattr(cache, f))
+                )
 
 
 class TestCacheWriteInterpret(TestCacheWriteGPU):
@@ -136,8 +148,9 @@ def test_rejects_caches_it_does_not_cover():
 @pytest.mark.parametrize(
     "kw",
     [dict(bits=2, d=128, norm_granularity="per_head", dtype=jnp.bfloat16),  # S = 160 slots
-     dict(bits=4, d=64, norm_granularity="per_token", dtype=jnp.float32)],
-    ids=["int2_llama_shape", "int4_per_token"],
+     dict(bits=4, d=64, norm_granularity="per_token", dtype=jnp.float32),
+     dict(bits=2, d=128, norm_granularity="per_head", dtype=jnp.bfloat16, layout="record")],
+    ids=["int2_llama_shape", "int4_per_token", "int2_record"],
 )  # fmt: skip
 def test_lowers_to_triton_with_aliased_cache(kw):
     """Triton lowering (gaps interpret mode cannot see), on CPU; every cache array aliased."""
@@ -159,7 +172,8 @@ def test_lowers_to_triton_with_aliased_cache(kw):
     )(cache, kt, kt)  # fmt: skip
     text = exp.mlir_module()
     assert "xla.gpu.triton" in text
-    assert text.count("output_operand_alias<") == len(cw.CACHE_FIELDS)
+    fields = 4 if cfg.layout == "record" else len(cw.CACHE_FIELDS)  # ring K, V, records, norms
+    assert text.count("output_operand_alias<") == fields
 
 
 # -- models: decode steps with the fused cache write -----------------------------------
@@ -169,11 +183,11 @@ TINY = ModelConfig(
 )  # fmt: skip
 
 
-def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None):
+def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None, kv=None, config=TINY):
     """Prefill, then ``steps`` greedy decode steps, with the cache writes of XLA and of the
     fused kernel: [(logits, caches)] per step for each, compared bit for bit."""
-    kv = oj.preset("oscar", bits=2, group_size=16, residual_length=16)
-    m = models.CausalLM(TINY, rngs=nnx.Rngs(seed))
+    kv = kv or oj.preset("oscar", bits=2, group_size=16, residual_length=16)
+    m = models.CausalLM(config, rngs=nnx.Rngs(seed))
     ids = np.asarray(jax.random.randint(jax.random.key(seed), (2, 40), 0, 256), np.int32)
     runs = {}
     for impl in ("xla", "pallas"):
@@ -214,6 +228,17 @@ def test_model_decode_fused_equals_xla_writes():
     last = run[-1][1][0]
     assert np.all(np.asarray(last.num_quantized()) >= 48)  # 3+ flushes per row
     assert np.asarray(last.flags)[0] & oj.FLAG_OVERFLOW  # row 0 ran past max_len
+
+
+def test_model_decode_fused_record_writes_equal_xla():
+    """A layout='record' cache (head_dim 128): the fused kernel merges each flushed group's
+    half-record into its record as the XLA write does, bit for bit, across flushes."""
+    kv = oj.preset("oscar", bits=2, residual_length=32, rotate_values=False, layout="record")
+    config = dataclasses.replace(TINY, num_heads=2, num_kv_heads=1, head_dim=128)
+    run = fused_and_xla_runs(4, np.array([40, 35], np.int32), 60, 400, kv=kv, config=config)
+    last = run[-1][1][0]
+    assert last.cfg.layout == "record"
+    assert np.asarray(last.num_quantized()).tolist() == [64, 32]  # both halves of a record
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 1), (1, 2, 1)], ids=["data", "model"])
