@@ -9,7 +9,15 @@ time goes, which chained timing cannot. On the H200 (Firecracker runtime, ncu wo
         python3 -m benchmarks.ncu_kernels quantize --tokens 32768
 
 ``decode`` runs INT2 decode attention (Qwen3-8B layer shape) on a prefilled cache;
-``--options`` is a JSON dict of decode or quantize tuning knobs.
+``mosaic`` the same through the Mosaic GPU kernel over a layout='record' cache (its
+partials kernel and merge launch; jax >= 0.11.2, Hopper):
+
+    ncu --clock-control none --launch-skip 4 --launch-count 4 --section WarpStateStats \
+        --section SourceCounters --section Occupancy --section LaunchStats -o mosaic \
+        python3 -m benchmarks.ncu_kernels mosaic --tokens 131072
+
+``--options`` is a JSON dict of decode or quantize tuning knobs (mosaic:
+``Int2DecodeConfig`` fields).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from pallas_kernels.quantize import triton as qk  # noqa: E402
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("kernel", choices=("quantize", "decode"))
+    ap.add_argument("kernel", choices=("quantize", "decode", "mosaic"))
     ap.add_argument("--tokens", type=int, default=32768)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--options", default="{}", help="JSON dict of tuning knobs")
@@ -42,9 +50,15 @@ def main():
         args = (k, v)
     else:
         q, k, v = make_inputs(a.batch, a.tokens)
+        impl, kw = "pallas", opts
+        if a.kernel == "mosaic":
+            from pallas_kernels.decode import mosaic as mk
+
+            cfg = cfg.replace(layout="record", rotate_values=False)
+            impl, kw = "mosaic", dict(cfg=mk.Int2DecodeConfig(**opts)) if opts else {}
         c = oj.init_cache(cfg, batch=a.batch, max_len=a.tokens, num_kv_heads=HKV, head_dim=D)
         c = jax.jit(oj.prefill)(c, k, v)
-        fn = jax.jit(lambda q, c: oj.decode_attention(q, c, implementation="pallas", **opts))
+        fn = jax.jit(lambda q, c: oj.decode_attention(q, c, implementation=impl, **kw))
         args = (q, c)
     for i in range(a.calls):
         jax.block_until_ready(fn(*args))
