@@ -54,7 +54,8 @@ def hash_uniform(shape, salt: int, offset: int = 0):
     for ax in range(len(shape) - 1, -1, -1):
         idx = idx + jax.lax.broadcasted_iota(jnp.uint32, shape, ax) * jnp.uint32(stride % 2**32)
         stride *= shape[ax]
-    x = _mix32(idx ^ _mix32(jnp.uint32(salt & 0xFFFFFFFF)))
+    salt = jnp.uint32(salt & 0xFFFFFFFF) if isinstance(salt, int) else salt.astype(jnp.uint32)
+    x = _mix32(idx ^ _mix32(salt))
     return (x >> 8).astype(jnp.float32) * (1.0 / (1 << 24))
 
 
@@ -132,9 +133,9 @@ def _random_field(salt: int, s, name):
 
 
 @functools.lru_cache(maxsize=64)
-def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int, first_layer: int = 0):
-    """One jitted allocator per (shapes, shardings, fill) of the per-layer caches (layers
-    ``first_layer``...): n_tokens is an argument."""
+def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int):
+    """One jitted allocator per (shapes, shardings, fill) of the per-layer caches:
+    ``build(n_tokens, first_layer)``, both arguments (layers first_layer...)."""
     caches = jax.tree_util.tree_unflatten(tree, leaves)
     names = [f.name for f in dataclasses.fields(oj.KVCache) if f.name not in ("cfg", "max_len")]
 
@@ -153,7 +154,7 @@ def _cache_builder(leaves: tuple, tree, zeros: bool, seed: int, first_layer: int
                 vals[name] = _random_field(100 * seed + i + 10_000 * layer, s, name)
         return oj.KVCache(**vals, cfg=shapes.cfg, max_len=shapes.max_len)
 
-    def build(n_tokens):
+    def build(n_tokens, first_layer):
         return tuple(one(c, first_layer + i, n_tokens) for i, c in enumerate(caches))
 
     return jax.jit(build, out_shardings=jax.tree_util.tree_map(lambda s: s.sharding, caches))
@@ -172,14 +173,14 @@ def make_caches(shapes, n_tokens: int, fill: str = "random", seed: int = 0):
     if fill == "random" and shapes and shapes[0].cfg.layout == "record":
         # one program a layer: the planar fields a record cache is converted from would
         # double an all-layer program's peak (out of memory at the largest batch)
-        parts = []
-        for i, layer in enumerate(shapes):
-            leaves, tree = jax.tree_util.tree_flatten((layer,))
-            parts += _cache_builder(tuple(leaves), tree, False, seed, i)(jnp.int32(n_tokens))
-        caches = tuple(parts)
+        # (one compiled program for all layers: the layer is an argument)
+        leaves, tree = jax.tree_util.tree_flatten(shapes[:1])
+        build = _cache_builder(tuple(leaves), tree, False, seed)
+        caches = tuple(build(jnp.int32(n_tokens), jnp.int32(i))[0] for i in range(len(shapes)))
     else:
         leaves, tree = jax.tree_util.tree_flatten(shapes)
-        caches = _cache_builder(tuple(leaves), tree, fill != "random", seed)(jnp.int32(n_tokens))
+        build = _cache_builder(tuple(leaves), tree, fill != "random", seed)
+        caches = build(jnp.int32(n_tokens), jnp.int32(0))
     caches = jax.device_put(caches, shard)  # empty fields (bf16: no quantized part) may differ
     if fill == "encode":
         caches = encode_fill(caches, n_tokens, seed)
