@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 import oscar_jax as oj  # noqa: E402
 from benchmarks.bench_decode import HKV, D, make_inputs  # noqa: E402
 from benchmarks.bench_quantize import make_kv  # noqa: E402
+from pallas_kernels.decode import mosaic as mk  # noqa: E402
 from pallas_kernels.quantize import triton as qk  # noqa: E402
 
 
@@ -52,8 +53,6 @@ def main():
         q, k, v = make_inputs(a.batch, a.tokens)
         impl, kw = "pallas", opts
         if a.kernel == "mosaic":
-            from pallas_kernels.decode import mosaic as mk
-
             cfg = cfg.replace(layout="record", rotate_values=False)
             impl, kw = "mosaic", dict(cfg=mk.Int2DecodeConfig(**opts)) if opts else {}
         c = oj.init_cache(cfg, batch=a.batch, max_len=a.tokens, num_kv_heads=HKV, head_dim=D)

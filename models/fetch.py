@@ -113,11 +113,16 @@ def _stamp_text(path: Path, sha: str) -> str:
 
 
 def _verified(path: Path, src: ModelSource) -> bool:
-    """Whether ``path`` holds the file: by its stamp, else by hashing it (then stamped)."""
+    """Whether ``path`` holds the file: by its stamp, else by hashing it (then stamped).
+
+    The stamp (sha256, size, mtime) is trusted only when it is newer than the file: a file
+    rewritten within the clock tick of its stamp keeps size and mtime (the "racy clean"
+    case git knows), so it is hashed again."""
     if not path.is_file():
         return False
     stamp = _stamp(path)
-    if stamp.is_file() and stamp.read_text() == _stamp_text(path, src.sha256):
+    if (stamp.is_file() and stamp.read_text() == _stamp_text(path, src.sha256)
+            and stamp.stat().st_mtime_ns > path.stat().st_mtime_ns):  # fmt: skip
         return True
     _log(f"checking the sha256 of {path}")
     if path.stat().st_size == src.size and _sha256(path) == src.sha256:

@@ -146,6 +146,8 @@ def decode_attention(
     ``fn(q, cache, *, softmax_scale=None, **options)``.
     Rows whose cache has ``FLAG_NONFINITE`` return NaN (``poison_flagged_rows``).
     """
+    g = check_query(q, cache)  # before "auto" reads the cache's config
+    implementation = backends.pick("decode_attention", implementation, cache, g, options)
     fn = backends.resolve("decode_attention", implementation)
     out = fn(q, cache, softmax_scale=softmax_scale, **options)
     if backends.poisons("decode_attention", implementation):

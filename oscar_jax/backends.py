@@ -162,10 +162,14 @@ def choose(op: str, cache, g: int) -> tuple[str, dict[str, str]]:
     raise AssertionError(f"AUTO_ORDER[{op!r}] must end with 'xla'")  # internal invariant
 
 
-def pick(op: str, implementation, cache, g: int) -> str | Callable:
-    """``implementation`` with "auto" replaced by ``choose``'s backend (else canonical)."""
+def pick(op: str, implementation, cache, g: int, options: dict | None = None) -> str | Callable:
+    """``implementation`` with "auto" replaced by ``choose``'s backend (else canonical);
+    ValueError for tuning ``options`` with "auto" (they tune one named backend)."""
     name = canonical(op, implementation)
-    return choose(op, cache, g)[0] if name == "auto" else name
+    if name != "auto":
+        return name
+    _no_options(options or {})
+    return choose(op, cache, g)[0]
 
 
 def _no_options(options: dict) -> None:
@@ -177,14 +181,12 @@ def _no_options(options: dict) -> None:
 
 
 def _auto_decode_attention(q, cache, *, softmax_scale=None, **options):
-    _no_options(options)
-    name = pick("decode_attention", "auto", cache, q.shape[1] // cache.num_kv_heads)
+    name = pick("decode_attention", "auto", cache, q.shape[1] // cache.num_kv_heads, options)
     return resolve("decode_attention", name)(q, cache, softmax_scale=softmax_scale)
 
 
 def _auto_quantized_partial(q_rot, cache, scale, *, offset=0, **options):
-    _no_options(options)
-    name = pick("quantized_partial", "auto", cache, q_rot.shape[2])
+    name = pick("quantized_partial", "auto", cache, q_rot.shape[2], options)
     return resolve("quantized_partial", name)(q_rot, cache, scale, offset=offset)
 
 

@@ -165,9 +165,7 @@ def sharded_decode_attention(
     """
     g = att.check_query(q, cache)
     check_mesh(cache, mesh, ax)
-    if options and backends.canonical("quantized_partial", implementation) == "auto":
-        raise ValueError(f"options {sorted(options)} need implementation='triton', not 'auto'")
-    implementation = backends.pick("quantized_partial", implementation, cache, g)
+    implementation = backends.pick("quantized_partial", implementation, cache, g, options)
     partial = backends.resolve("quantized_partial", implementation)
     if options and implementation == "xla":
         raise ValueError(f"options {sorted(options)} need implementation='triton', not 'xla'")
