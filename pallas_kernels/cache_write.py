@@ -78,11 +78,10 @@ def unsupported_reason(cache) -> str | None:
     return None
 
 
-def _kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, ekc, eks, ekz, ekn, evc, evs, evz,
-            *refs, g: int, norm_shared: bool):  # fmt: skip
-    """One (b, h): clear the flushed ring group, append the token, store the encoded group."""
-    kr, vr, kc, ks, kz, kn, vc, vs, vz = refs[len(CACHE_FIELDS) :]  # the aliased outputs
-    slot, clr, at = slot_ref[0], clr_ref[0], at_ref[0]  # -1: nothing to write
+def _ring_writes(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, kr, vr, g: int):
+    """Zero the flushed group's G ring slots and write the token's slot (-1: no write);
+    returns the group's quantized position (-1: no flush)."""
+    slot, clr, at = slot_ref[0], clr_ref[0], at_ref[0]
 
     @pl.when(clr >= 0)
     def _():
@@ -94,6 +93,15 @@ def _kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, ekc, eks, ekz, ekn, evc, 
     def _():
         kr[pl.ds(slot, 1), :] = kt_ref[...]
         vr[pl.ds(slot, 1), :] = vt_ref[...]
+
+    return at
+
+
+def _kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, ekc, eks, ekz, ekn, evc, evs, evz,
+            *refs, g: int, norm_shared: bool):  # fmt: skip
+    """One (b, h): clear the flushed ring group, append the token, store the encoded group."""
+    kr, vr, kc, ks, kz, kn, vc, vs, vz = refs[len(CACHE_FIELDS) :]  # the aliased outputs
+    at = _ring_writes(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, kr, vr, g)
 
     @pl.when(at >= 0)
     def _():
@@ -121,18 +129,7 @@ def _record_kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, words_ref, mask_re
     token, merge the group's half-record into record at // 64 (25 rows of 64 words) and
     store its float32 norms at kn[at : at + G]."""
     kr, vr, rec, kn = refs[4:]  # the aliased outputs
-    slot, clr, at = slot_ref[0], clr_ref[0], at_ref[0]  # -1: nothing to write
-
-    @pl.when(clr >= 0)
-    def _():
-        c0 = pl.multiple_of(clr, g)
-        kr[pl.ds(c0, g), :] = jnp.zeros((g, kr.shape[1]), kr.dtype)
-        vr[pl.ds(c0, g), :] = jnp.zeros((g, vr.shape[1]), vr.dtype)
-
-    @pl.when(slot >= 0)
-    def _():
-        kr[pl.ds(slot, 1), :] = kt_ref[...]
-        vr[pl.ds(slot, 1), :] = vt_ref[...]
+    at = _ring_writes(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, kr, vr, g)
 
     @pl.when(at >= 0)
     def _():
@@ -223,29 +220,35 @@ def fused_update(
         ev.codes.astype(dt["v_codes"]), ev.scale.astype(dt["v_scale"]),
         ev.zero.astype(dt["v_zero"]),
     ]  # fmt: skip
-    nin = 3 + len(srcs)
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-    outs = pl.pallas_call(
-        functools.partial(_kernel, g=g, norm_shared=hn == 1 and h > 1),
-        grid=(b, h),
-        in_specs=in_specs,
-        out_specs=cache_specs,
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-        input_output_aliases={nin + i: i for i in range(len(arrays))},
-        interpret=interpret,
-        name="oscar_cache_write",
-        **kwargs,
-    )(slot, clr, at, *srcs, *arrays)
+    kernel = functools.partial(_kernel, g=g, norm_shared=hn == 1 and h > 1)
+    outs = _launch(kernel, "oscar_cache_write", (b, h), in_specs, cache_specs,
+                   [slot, clr, at, *srcs], arrays, interpret, num_warps)  # fmt: skip
     return dataclasses.replace(
         cache,
         **dict(zip(CACHE_FIELDS, outs, strict=True)),
         lengths=lengths,
         flags=flags,
     )
+
+
+def _launch(kernel, name, grid, in_specs, cache_specs, inputs, arrays, interpret, num_warps):
+    """The pallas_call of a write kernel: ``arrays`` (the cache's) aliased input -> output."""
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    return pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=cache_specs,
+        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        input_output_aliases={len(inputs) + i: i for i in range(len(arrays))},
+        interpret=interpret,
+        name=name,
+        **kwargs,
+    )(*inputs, *arrays)
 
 
 def _plan(cache, k_t, v_t, todo):
@@ -287,23 +290,9 @@ def _fused_update_records(cache: KVCache, k_t, v_t, todo: Flush, interpret: bool
               cache.k_norm]  # fmt: skip
     srcs = [k_t.astype(cache.k_res.dtype)[:, :, None], v_t.astype(cache.v_res.dtype)[:, :, None],
             words.reshape(b, h, _ROWS, 64), mask.reshape(b, _ROWS, 64), norm]  # fmt: skip
-    nin = 3 + len(srcs)
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
-    kr, vr, rec, kn = pl.pallas_call(
-        functools.partial(_record_kernel, g=g),
-        grid=(b, h),
-        in_specs=in_specs,
-        out_specs=cache_specs,
-        out_shape=[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
-        input_output_aliases={nin + i: i for i in range(len(arrays))},
-        interpret=interpret,
-        name="oscar_cache_write_records",
-        **kwargs,
-    )(slot, clr, at, *srcs, *arrays)
+    kr, vr, rec, kn = _launch(functools.partial(_record_kernel, g=g), "oscar_cache_write_records",
+                              (b, h), in_specs, cache_specs, [slot, clr, at, *srcs], arrays,
+                              interpret, num_warps)  # fmt: skip
     return dataclasses.replace(cache, k_res=kr, v_res=vr, k_codes=rec.reshape(cache.k_codes.shape),
                                k_norm=kn, lengths=lengths, flags=flags)  # fmt: skip
 
