@@ -117,17 +117,20 @@ def resolve(op: str, implementation) -> Callable:
     key = (op, name)
     if key not in _RESOLVED:
         entry = TABLES[op][name]
-        if isinstance(entry, str):
-            module, _, attr = entry.partition(":")
-            try:
-                entry = getattr(importlib.import_module(module), attr)
-            except ImportError as e:
-                raise ValueError(
-                    f"implementation={name!r} of {op} is not available here: importing "
-                    f"{module} failed ({e})"
-                ) from e
-        _RESOLVED[key] = entry
+        _RESOLVED[key] = _load(entry, f"implementation={name!r} of {op}")
     return _RESOLVED[key]
+
+
+def _load(entry: Callable | str, what: str) -> Callable:
+    """A table entry: the function, or ``"module:function"`` imported (ValueError naming
+    ``what`` when the import fails)."""
+    if not isinstance(entry, str):
+        return entry
+    module, _, attr = entry.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise ValueError(f"{what} is not available here: importing {module} failed ({e})") from e
 
 
 def available(op: str) -> tuple[str, ...]:
@@ -152,9 +155,8 @@ def choose(op: str, cache, g: int) -> tuple[str, dict[str, str]]:
             else:
                 try:
                     resolve(op, name)
-                    module, _, attr = COVERAGE[op, name].partition(":")
-                    why = getattr(importlib.import_module(module), attr)(cache, g)
-                except (ValueError, ImportError) as e:
+                    why = _load(COVERAGE[op, name], f"coverage of {name!r}")(cache, g)
+                except ValueError as e:
                     why = str(e)
         if why is None:
             return name, skipped

@@ -231,6 +231,20 @@ def group_words(
     return rec[:, :, 0]
 
 
+def group_update(ek, ev, nq: Array, heads: int, *, param_dtype) -> tuple[Array, Array, Array]:
+    """What storing a flushed group (EncodedKeys ``ek``, EncodedValues ``ev`` [B, H, G, ...])
+    at quantized position nq [B] changes in a record cache: (words [B, H, 1600] of its
+    half-record, zero elsewhere; mask [B, 1600] bool of that half's words, merged into record
+    nq // 64 as ``where(mask, words, record)``; norms [B, heads, G] float32 for
+    kn[nq : nq + G]). The XLA write (``oscar_jax.ring``) and the fused kernel's share it."""
+    half = jax.lax.rem(jax.lax.div(jnp.maximum(nq.astype(jnp.int32), 0), jnp.int32(G)),
+                       jnp.int32(2))  # fmt: skip
+    words = group_words(ek.codes, ek.scale, ek.zero, ev.codes, ev.scale, ev.zero, half,
+                        param_dtype=param_dtype)  # fmt: skip
+    norm = jnp.broadcast_to(ek.norm.astype(jnp.float32), (nq.shape[0], heads, G))
+    return words, jnp.asarray(HALF_WORDS)[half], norm
+
+
 PLANAR = ("k_codes", "k_scale", "k_zero", "k_norm", "v_codes", "v_scale", "v_zero")
 
 

@@ -183,14 +183,12 @@ def _write_records(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) 
     of record nq // 64 (read, merged by the half's word mask, written back: one 1600-word
     record per (row, head)), its norms go to kn[nq : nq + G] as float32."""
     rec, tile = cache.k_codes, record.TILE
-    half = _rem(_div(nq, cache.cfg.group_size), 2)
-    words = record.group_words(ek.codes, ek.scale, ek.zero, ev.codes, ev.scale, ev.zero, half,
-                               param_dtype=cache.cfg.scale_dtype)  # fmt: skip
+    words, mask, norm = record.group_update(ek, ev, nq, cache.num_kv_heads,
+                                            param_dtype=cache.cfg.scale_dtype)  # fmt: skip
     r, r_offset = _div(nq, tile), q_offset // tile
     local = jnp.clip(r - r_offset, 0, rec.shape[2] - 1)  # out of this shard: dropped below
     old = jax.vmap(lambda x, i: jax.lax.dynamic_index_in_dim(x, i, 1, keepdims=False))(rec, local)
-    new = jnp.where(jnp.asarray(record.HALF_WORDS)[half][:, None, :], words, old)
-    norm = jnp.broadcast_to(ek.norm.astype(jnp.float32), cache.k_norm.shape[:2] + ek.norm.shape[2:])
+    new = jnp.where(mask[:, None, :], words, old)
     return dataclasses.replace(
         cache,
         k_codes=_set_rows(rec, new[:, :, None], r, flush, r_offset),

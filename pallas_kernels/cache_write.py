@@ -22,7 +22,7 @@ its ring still holds the group (read by the encoder, whose output this kernel ta
 so XLA orders that read before the in-place write).
 
 A layout='record' cache (the Mosaic kernel's) has four cache arrays (ring K and V, the
-records, the float32 norms): a flushed group's half-record words (``record.group_words``,
+records, the float32 norms): a flushed group's half-record words (``record.group_update``,
 built in XLA) are merged into record nq // 64 by the half's word mask, as
 ``oscar_jax.ring``'s XLA write does.
 
@@ -270,12 +270,8 @@ def _fused_update_records(cache: KVCache, k_t, v_t, todo: Flush, interpret: bool
     b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
     g, s, lq = cache.cfg.group_size, cache.slots, cache.quant_capacity
     slot, clr, at, lengths, flags = _plan(cache, k_t, v_t, todo)
-    ek, ev = todo.ek, todo.ev
-    half = _rem(jax.lax.div(jnp.maximum(todo.nq.astype(jnp.int32), 0), jnp.int32(g)), 2)
-    words = record.group_words(ek.codes, ek.scale, ek.zero, ev.codes, ev.scale, ev.zero, half,
-                               param_dtype=cache.cfg.scale_dtype)  # fmt: skip
-    mask = jnp.asarray(record.HALF_WORDS).astype(jnp.int32)[half]  # [B, 1600]
-    norm = jnp.broadcast_to(ek.norm.astype(jnp.float32), (b, h, g))
+    words, mask, norm = record.group_update(todo.ek, todo.ev, todo.nq, h,
+                                            param_dtype=cache.cfg.scale_dtype)  # fmt: skip
     nrec = lq // record.TILE
 
     def full(*shape):
@@ -289,7 +285,8 @@ def _fused_update_records(cache: KVCache, k_t, v_t, todo: Flush, interpret: bool
     arrays = [cache.k_res, cache.v_res, cache.k_codes.reshape(b, h, nrec * _ROWS, 64),
               cache.k_norm]  # fmt: skip
     srcs = [k_t.astype(cache.k_res.dtype)[:, :, None], v_t.astype(cache.v_res.dtype)[:, :, None],
-            words.reshape(b, h, _ROWS, 64), mask.reshape(b, _ROWS, 64), norm]  # fmt: skip
+            words.reshape(b, h, _ROWS, 64), mask.astype(jnp.int32).reshape(b, _ROWS, 64),
+            norm]  # fmt: skip
     kr, vr, rec, kn = _launch(functools.partial(_record_kernel, g=g), "oscar_cache_write_records",
                               (b, h), in_specs, cache_specs, [slot, clr, at, *srcs], arrays,
                               interpret, num_warps)  # fmt: skip

@@ -58,7 +58,6 @@ from oscar_jax.attention import (
     poison_flagged_rows,
     residual_partial,
 )
-from oscar_jax.cache import check_layout
 from pallas_kernels.decode import bf16 as decode_bf16
 from pallas_kernels.decode import merge as decode_merge
 from pallas_kernels.decode.config import choose_config
@@ -77,7 +76,10 @@ def unsupported_reason(cache, g: int) -> str | None:
     """Why the Triton kernels cannot take ``cache`` with ``g`` query heads per KV head
     (None: they can); ``oscar_jax.backends.COVERAGE``'s entry and both entry points' check."""
     if cache.cfg.layout != "planar":
-        return f"implementation='triton' reads layout='planar', not {cache.cfg.layout!r}"
+        return (
+            f"implementation='triton' needs a cache of layout='planar'; this one has "
+            f"layout={cache.cfg.layout!r} (convert_layout converts a cache exactly)"
+        )
     if cache.head_dim not in (64, 128, 256):
         return f"head_dim={cache.head_dim} must be 64, 128 or 256 for the pallas decode kernel"
     if g > GP:
@@ -97,7 +99,6 @@ def decode_attention_triton(q, cache, *, softmax_scale=None, **options):
     """``decode_attention(..., implementation="triton")``; options: DecodeConfig fields.
     Rows with ``FLAG_NONFINITE`` come back NaN (in the merge kernel where it runs)."""
     g = check_query(q, cache)
-    check_layout(cache, "planar", "implementation='triton'")
     _check(cache, g)
     kcfg = cache.cfg
     b, hq, d = q.shape
@@ -175,7 +176,6 @@ def quantized_partial_triton(q_rot, cache, scale, *, offset=0, **options):
     A ``bf16`` cache (all tokens in the ring, no rotation) runs the BF16 kernel over its
     ring slots offset.. instead: clip(length - offset, 0, slots) of them.
     """
-    check_layout(cache, "planar", "implementation='triton'")
     kcfg = cache.cfg
     b, h, g, d = q_rot.shape
     _check(cache, g)
