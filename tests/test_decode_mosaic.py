@@ -312,13 +312,26 @@ class TestShardPartialOnGPU:
         q_rot = jax.random.normal(jax.random.key(2), (3, 2, g, D), jnp.float32)
         got = jax.jit(lambda q, c: mk.quantized_partial_mosaic(q, c, 0.09, offset=offset))(q_rot, c)
         want = jax.jit(lambda q, c: att.quantized_partial(q, c, 0.09, offset=offset))(q_rot, c)
-        # m: natural-log units, -inf where the shard holds no token; acc and l relative to it
-        chex.assert_trees_all_equal(jnp.isinf(got[1]), jnp.isinf(want[1]))
-        w = jnp.exp(got[1] - jnp.where(jnp.isinf(want[1]), got[1], want[1]))
-        tol = 5e-3
-        chex.assert_trees_all_close(got[2], want[2] / w, rtol=tol, atol=tol)
-        scale = jnp.max(jnp.abs(want[0]))
-        chex.assert_trees_all_close(got[0] / scale, want[0] / w[..., None] / scale, atol=tol)
+        # What the merge across shards uses: the shard's normalised output and its
+        # log-sum-exp (natural-log units). The unnormalised (acc, l) themselves are relative
+        # to the max of scores from a float16-rounded query, so they differ by a common
+        # factor. A shard with no token of a row: m -inf, l 0, acc 0 exactly.
+        acc, m, den = (np.asarray(x, np.float64) for x in got)
+        acc_w, m_w, l_w = (np.asarray(x, np.float64) for x in want)
+        empty = l_w == 0
+        np.testing.assert_array_equal(den == 0, empty)
+        assert np.all(np.isneginf(m[empty])) and np.all(acc[empty] == 0)
+        t = tol("float16")["max_rel"]
+        ok = ~empty
+        if not ok.any():
+            return
+        out, out_w = acc[ok] / den[ok, None], acc_w[ok] / l_w[ok, None]
+        err = np.max(np.abs(out - out_w)) / np.max(np.abs(out_w))
+        lse, lse_w = m[ok] + np.log(den[ok]), m_w[ok] + np.log(l_w[ok])
+        lerr = np.max(np.abs(lse - lse_w))
+        assert err <= t, f"normalised output: max rel error {err:.2e} > {t}"
+        bound = t * max(1.0, np.max(np.abs(lse_w)))
+        assert lerr <= bound, f"log-sum-exp: max error {lerr:.2e} > {bound:.2e}"
 
     def test_sequence_sharded_backend_matches_xla(self):
         mesh = jax.make_mesh((1, 1, 1), ("data", "model", "sequence"))
@@ -326,7 +339,8 @@ class TestShardPartialOnGPU:
         q = query(7, 2, 8, D, jnp.float32)
         got = osh.sharded_decode_attention(q, c, mesh, implementation="mosaic")
         want = osh.sharded_decode_attention(q, c, mesh, implementation="xla")
-        chex.assert_trees_all_close(got, want, atol=5e-3 * float(jnp.max(jnp.abs(want))))
+        atol = tol("float16")["max_rel"] * float(jnp.max(jnp.abs(want)))
+        chex.assert_trees_all_close(got, want, atol=atol)
 
 
 class TestAutoOnGPU:
@@ -339,7 +353,7 @@ class TestAutoOnGPU:
             pytest.skip("needs a Hopper GPU and jax >= 0.11.2")
 
     def test_auto_picks_the_kernels(self):
-        planar = _cache(5, 2, [1500, 333], rotate_values=False)
+        planar = _cache(5, 2, [1500, 333], rotate_values=False, max_len=2048 + 128)
         record = oj.convert_layout(planar, "record")
         q = query(5, 2, 8, D, jnp.float32)
         assert oj.backends.choose("decode_attention", record, 4)[0] == "mosaic"
