@@ -184,13 +184,7 @@ def sharded_decode_attention(
             parts = [_merge_over(part, ax.sequence)]
         return att.merge_partials(parts).reshape(q.shape).astype(q.dtype)
 
-    fn = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(query_spec(ax), cache_specs(cache, ax)),
-        out_specs=query_spec(ax),
-        check_vma=False,
-    )
+    fn = shard_map_on(mesh, local, (query_spec(ax), cache_specs(cache, ax)), query_spec(ax))
     return att.poison_flagged_rows(fn(q, cache), cache)  # as decode_attention does
 
 
@@ -222,7 +216,7 @@ def sharded_append(
                                            * c.slots)  # fmt: skip
             return dataclasses.replace(out, flags=out.flags | fl)
 
-        return _smap(mesh, local_ring, (specs, kv_spec, kv_spec, P(ax.data)), specs)(
+        return shard_map_on(mesh, local_ring, (specs, kv_spec, kv_spec, P(ax.data)), specs)(
             cache, k_t, v_t, flags
         )
     out, nq_old, due = ring.append_to_ring(cache, k_t, v_t)  # ring: not sequence-sharded
@@ -232,8 +226,24 @@ def sharded_append(
     return sharded_write_flush(c, fl.Flush(ek, ev, nq_old, due), mesh, ax)
 
 
-def _smap(mesh, f, ins, outs):
-    return jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
+def shard_map_on(mesh: Mesh, f, ins, outs):
+    """``jax.shard_map(f, ...)`` whose arguments are first placed by their ``ins`` specs
+    where the mesh has Explicit axes (``jax.make_mesh``'s default from jax 0.11): there
+    shard_map refuses an argument whose sharding differs from its spec, e.g. one not yet
+    on the mesh. Over Auto axes the arguments pass as they are (placed by the compiler)."""
+    fn = jax.shard_map(f, mesh=mesh, in_specs=ins, out_specs=outs, check_vma=False)
+    explicit = jax.sharding.AxisType.Explicit
+    if not any(t == explicit for t in getattr(mesh, "axis_types", ())):
+        return fn
+
+    def placed(*args):
+        args = jax.tree.map(
+            lambda spec, x: jax.sharding.reshard(x, NamedSharding(mesh, spec)), tuple(ins),
+            args, is_leaf=lambda v: isinstance(v, P),
+        )  # fmt: skip
+        return fn(*args)
+
+    return placed
 
 
 def flush_specs(c: KVCache, ax: MeshAxes = AXES) -> fl.Flush:
@@ -280,7 +290,7 @@ def sharded_prepare_flushes(caches, mesh: Mesh, ax: MeshAxes = AXES, **kwargs):
 
     specs = tuple(cache_specs(c, ax) for c in caches)
     fspecs = tuple(flush_specs(c, ax) for c in caches)
-    return _smap(mesh, local, (specs,), (specs, fspecs))(caches)
+    return shard_map_on(mesh, local, (specs,), (specs, fspecs))(caches)
 
 
 def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
@@ -290,4 +300,4 @@ def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES
     def local_write(c, f):
         return fl.write_flush(c, f, q_offset=jax.lax.axis_index(ax.sequence) * c.quant_capacity)
 
-    return _smap(mesh, local_write, (specs, fspec), specs)(c, f)
+    return shard_map_on(mesh, local_write, (specs, fspec), specs)(c, f)
