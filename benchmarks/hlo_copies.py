@@ -180,8 +180,10 @@ def format_copies(found: list[Instr]) -> str:
 
 
 # -- command line: copies in one compiled decode step of a full-size model -------------------
-def step_copies(cfg, spec, batch: int, ctx: int, per_layer: bool, dtype: str) -> dict:
-    """Compile one donated decode step from abstract shapes -> copy counts and bytes."""
+def step_copies(cfg, spec, batch: int, ctx: int, per_layer: bool, dtype: str,
+                dump: str = "") -> dict:  # fmt: skip
+    """Compile one donated decode step from abstract shapes -> copy counts and bytes
+    (``dump``: a folder for the compiled HLO text, one file per step)."""
     st = models.Static(
         model=cfg, kv=spec.kv, max_len=ctx, cache_dtype=dtype,
         backends=models.Backends(attention=spec.impl, prompt_attention="reference"),
@@ -195,7 +197,13 @@ def step_copies(cfg, spec, batch: int, ctx: int, per_layer: bool, dtype: str) ->
     tok = jax.ShapeDtypeStruct((batch,), jnp.int32)
     t = time.perf_counter()
     text = models.step_program(donate=True).lower(st, params, caches, tok, tok).compile().as_text()
-    out = dict(cache=spec.label, batch=batch, ctx=ctx, layout="layers" if per_layer else "stacked",
+    layout = "layers" if per_layer else "stacked"
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        name = f"{spec.label.replace(':', '_')}_b{batch}_{layout}.hlo.txt"
+        with open(os.path.join(dump, name), "w") as f:
+            f.write(text)
+    out = dict(cache=spec.label, batch=batch, ctx=ctx, layout=layout,
                dtype=dtype, compile_s=round(time.perf_counter() - t, 1))  # fmt: skip
     for what, shapes in (("weight", weight_shapes(params)), ("cache", cache_shapes(caches))):
         found = whole_cache_copies(text, shapes)
@@ -217,6 +225,7 @@ def main(argv=None) -> list[dict]:
         default="float32",
         help="params and caches (bfloat16 on the CPU adds whole-array converts)",
     )
+    ap.add_argument("--dump", default="", help="folder for each step's compiled HLO text")
     ap.add_argument("--out", default="out/hlo_copies.json",
                     help="JSON file for the results ('': none)")  # fmt: skip
     a = ap.parse_args(argv)
@@ -228,7 +237,7 @@ def main(argv=None) -> list[dict]:
     for spec in ec.parse_caches(a.caches, "xla"):
         for b in (int(x) for x in a.batch.split(",")):
             for lay in a.layouts.split(","):
-                r = step_copies(cfg, spec, b, a.ctx, lay == "layers", a.dtype)
+                r = step_copies(cfg, spec, b, a.ctx, lay == "layers", a.dtype, a.dump)
                 rows.append(r)
                 print(f"{r['cache']:12s} b={b:<4d} {lay:8s} weights: {r['weight_copies']:4d} "
                       f"copies {r['weight_bytes'] / 2**30:7.3f} GiB | caches: "

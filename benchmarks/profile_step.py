@@ -92,6 +92,11 @@ def main():
     ap.add_argument("--fill", default="random", choices=("random", "zeros"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="2-layer model, small context (CPU)")
+    ap.add_argument(
+        "--dump-hlo",
+        action="store_true",
+        help="also write the compiled program's HLO text (out/step.hlo.txt)",
+    )
     ap.add_argument("--out", default="out/step")
     a = ap.parse_args()
     if a.steps < 1:
@@ -110,6 +115,9 @@ def main():
     st = ec.static(cfg, spec.kv, a.context, spec.impl, a.encode_impl)
     compiled, cinfo = ec.compile_decode(st, pabs, cabs, tok_abs)
     print(f"compiled in {cinfo['compile_s']:.1f} s", flush=True)
+    if a.dump_hlo:  # kernel names of the trace are its fusions' names ("." -> "_")
+        with open(os.path.join(a.out, "step.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
     caches = ef.make_caches(cabs, a.context - 2 * a.steps - 1, a.fill, a.seed)
     tok = jax.device_put(jnp.arange(a.batch, dtype=jnp.int32) % cfg.vocab_size, sh)
     args = ec.decode_args(params, caches, tok)

@@ -212,6 +212,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     )
     fn = plgpu.kernel(
         kernel,
+        kernel_name="oscar_decode_int2_partials",  # its name in profiles and ncu -k
         out_type=out_type,
         scratch_types=[
             plgpu.SMEM((D, NPAD), pdt, transforms=b_tr),

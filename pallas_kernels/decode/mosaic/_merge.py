@@ -193,6 +193,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
 
     fn = plgpu.kernel(
         kernel,
+        kernel_name="oscar_decode_int2_ring_merge",  # its name in profiles and ncu -k
         out_type=jax.ShapeDtypeStruct((b, h, 2, TILE, NPAD), f32),
         scratch_types=[
             plgpu.SMEM((D, NPAD), rdt, transforms=b_tr),
