@@ -49,27 +49,32 @@ def split_rows(x: Array, n: int, j: int) -> Array:
 
 
 class Flush(NamedTuple):
-    """One cache's pending flush: encoded groups [B, H, G, ...], nq [B], rows flushing [B]."""
+    """One cache's pending flush: encoded groups [B, H, G, ...], nq [B], rows flushing [B];
+    for a layout='record' cache the groups' half-record words [B, H, 1600] (or None:
+    computed at the write)."""
 
     ek: EncodedKeys
     ev: EncodedValues
     nq: Array
     flush: Array
+    words: Array | None = None
 
 
 def encode_due(caches, implementation: str = "xla", **options):
     """Encode the groups due in all caches at once.
 
-    -> (due [(nq, flush)] and groups [(kg, vg)] per cache, EncodedKeys, EncodedValues,
-    overflow [B * n]) with rows b-major and caches minor (a sharded batch stays contiguous).
+    -> (due [(nq, flush)] and groups [(kg, vg)] per cache, (EncodedKeys, EncodedValues,
+    record words or None), overflow [B * n]) with rows b-major and caches minor (a sharded
+    batch stays contiguous).
     """
     due = [flush_due(c) for c in caches]
     groups = [ring_groups(c, nq) for c, (nq, _) in zip(caches, due, strict=True)]
     kg, vg = (jnp.stack([g[i] for g in groups], axis=1) for i in (0, 1))  # [B, n, H, G, D]
     kg, vg = (x.reshape(-1, *x.shape[2:]) for x in (kg, vg))  # [B * n, H, G, D]
-    flush = jnp.stack([f for _, f in due], axis=1).reshape(-1)
-    ek, ev, bad = encode_groups(kg, vg, flush, caches[0].cfg, implementation, options)
-    return due, groups, ek, ev, bad
+    flush, nq = (jnp.stack([d[i] for d in due], axis=1).reshape(-1) for i in (1, 0))
+    ek, ev, bad, words = encode_groups(kg, vg, flush, caches[0].cfg, implementation, options,
+                                       nq)  # fmt: skip
+    return due, groups, (ek, ev, words), bad
 
 
 def prepare_flushes(caches, implementation: str = "xla", *, clear: bool = True, **options):
@@ -84,23 +89,23 @@ def prepare_flushes(caches, implementation: str = "xla", *, clear: bool = True, 
     caches = tuple(caches)
     if not caches or not all(can_flush_early(c) for c in caches):
         raise ValueError("flush_early needs quantized caches with residual_length >= 1")
-    due, groups, ek, ev, bad = encode_due(caches, implementation, **options)
+    due, groups, enc, bad = encode_due(caches, implementation, **options)
     n, out, todo = len(caches), [], []
     for j, (c, (nq, fl), g) in enumerate(zip(caches, due, groups, strict=True)):
-        ekj, evj = jax.tree_util.tree_map(lambda x, j=j: split_rows(x, n, j), (ek, ev))
+        ekj, evj, wj = jax.tree_util.tree_map(lambda x, j=j: split_rows(x, n, j), enc)
         bad_j = split_rows(bad, n, j)
         if clear:
             out.append(clear_groups(c, nq, fl, bad_j, *g))
         else:  # the flags of clear_groups, without its ring writes
             nonfinite = jnp.where(bad_j, FLAG_NONFINITE, 0).astype(jnp.int32)
             out.append(dataclasses.replace(c, flags=c.flags | nonfinite))
-        todo.append(Flush(ekj, evj, nq, fl))
+        todo.append(Flush(ekj, evj, nq, fl, wj))
     return tuple(out), tuple(todo)
 
 
 def write_flush(cache: KVCache, f: Flush, q_offset=0) -> KVCache:
     """Store a pending flush's groups (``write_groups``; shard-aware with ``q_offset``)."""
-    return write_groups(cache, f.ek, f.ev, f.nq, f.flush, q_offset)
+    return write_groups(cache, f.ek, f.ev, f.nq, f.flush, q_offset, words=f.words)
 
 
 def _ring_only(cache: KVCache, k_t: Array, v_t: Array) -> KVCache:

@@ -231,18 +231,33 @@ def group_words(
     return rec[:, :, 0]
 
 
-def group_update(ek, ev, nq: Array, heads: int, *, param_dtype) -> tuple[Array, Array, Array]:
+def _half(nq: Array) -> Array:
+    """[B] int32: which half of record nq // 64 the group at quantized position nq fills."""
+    return jax.lax.rem(jax.lax.div(jnp.maximum(nq.astype(jnp.int32), 0), jnp.int32(G)),
+                       jnp.int32(2))  # fmt: skip
+
+
+def flush_words(ek, ev, nq: Array, *, param_dtype) -> Array:
+    """The half-record words [B, H, 1600] of flushed groups (``ek``, ``ev`` [B, H, G, ...])
+    stored at quantized position nq [B] (``group_words``). Computed where the groups are
+    encoded (under the flush's ``lax.cond``): outside it XLA ran this permutation for every
+    layer on every decode step."""
+    return group_words(ek.codes, ek.scale, ek.zero, ev.codes, ev.scale, ev.zero, _half(nq),
+                       param_dtype=param_dtype)  # fmt: skip
+
+
+def group_update(ek, ev, nq: Array, heads: int, *, param_dtype,
+                 words: Array | None = None) -> tuple[Array, Array, Array]:  # fmt: skip
     """What storing a flushed group (EncodedKeys ``ek``, EncodedValues ``ev`` [B, H, G, ...])
     at quantized position nq [B] changes in a record cache: (words [B, H, 1600] of its
     half-record, zero elsewhere; mask [B, 1600] bool of that half's words, merged into record
     nq // 64 as ``where(mask, words, record)``; norms [B, heads, G] float32 for
-    kn[nq : nq + G]). The XLA write (``oscar_jax.ring``) and the fused kernel's share it."""
-    half = jax.lax.rem(jax.lax.div(jnp.maximum(nq.astype(jnp.int32), 0), jnp.int32(G)),
-                       jnp.int32(2))  # fmt: skip
-    words = group_words(ek.codes, ek.scale, ek.zero, ev.codes, ev.scale, ev.zero, half,
-                        param_dtype=param_dtype)  # fmt: skip
+    kn[nq : nq + G]). ``words``: ``flush_words`` already computed. The XLA write
+    (``oscar_jax.ring``) and the fused kernel's share it."""
+    if words is None:
+        words = flush_words(ek, ev, nq, param_dtype=param_dtype)
     norm = jnp.broadcast_to(ek.norm.astype(jnp.float32), (nq.shape[0], heads, G))
-    return words, jnp.asarray(HALF_WORDS)[half], norm
+    return words, jnp.asarray(HALF_WORDS)[_half(nq)], norm
 
 
 PLANAR = ("k_codes", "k_scale", "k_zero", "k_norm", "v_codes", "v_scale", "v_zero")

@@ -53,8 +53,8 @@ def append(
     out, nq_old, flush = append_to_ring(cache, k_t, v_t)
     if not cache.cfg.quantized or cache.quant_capacity == 0:
         return out  # nothing can ever flush
-    c, ek, ev = encode_flush(out, nq_old, flush, implementation, options)
-    return write_groups(c, ek, ev, nq_old, flush)
+    c, ek, ev, words = encode_flush(out, nq_old, flush, implementation, options)
+    return write_groups(c, ek, ev, nq_old, flush, words=words)
 
 
 def _set_rows(dst: Array, src: Array, pos: Array, ok: Array, offset=0) -> Array:
@@ -116,16 +116,23 @@ def ring_groups(cache: KVCache, nq: Array) -> tuple[Array, Array]:
     return take(cache.k_res, start), take(cache.v_res, start)
 
 
-def encode_groups(kg, vg, flush: Array, cfg: KVQuantConfig, implementation: str, options):
+def encode_groups(kg, vg, flush: Array, cfg: KVQuantConfig, implementation: str, options,
+                  nq: Array | None = None):  # fmt: skip
     """Encode groups [B, H, G, D] when a row flushes (a ``lax.cond`` of small outputs).
 
     -> (EncodedKeys, EncodedValues, overflow [B]: a flushing row whose encoding is not
-    finite). Without a flushing row the encoder is skipped (zeros returned).
+    finite, words: for a layout='record' config and ``nq`` [B] given, the groups'
+    half-record words [B, H, 1600] (``record.flush_words``), else None). Without a
+    flushing row the encoder is skipped (zeros returned).
     """
+    pdt = cfg.scale_dtype
 
     def enc(kg, vg):
         ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
-        return ek, ev, flush & _nonfinite_encoding(ek, ev, cfg.levels)
+        words = None
+        if cfg.layout == "record" and nq is not None:
+            words = record.flush_words(ek, ev, nq, param_dtype=pdt)
+        return ek, ev, flush & _nonfinite_encoding(ek, ev, cfg.levels), words
 
     shapes = jax.eval_shape(enc, kg, vg)
     skip = lambda kg, vg: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # noqa: E731
@@ -153,17 +160,21 @@ def clear_groups(cache: KVCache, nq: Array, flush: Array, overflow: Array, kg, v
 def encode_flush(cache: KVCache, nq: Array, flush: Array, implementation: str, options):
     """Encode each flushing row's oldest ring group (tokens nq..nq+G-1) and zero its slots.
 
-    -> (cache with the slots cleared, EncodedKeys, EncodedValues) for ``write_groups``.
+    -> (cache with the slots cleared, EncodedKeys, EncodedValues, record words or None) for
+    ``write_groups``.
     """
     kg, vg = ring_groups(cache, nq)
-    ek, ev, overflow = encode_groups(kg, vg, flush, cache.cfg, implementation, options)
-    return clear_groups(cache, nq, flush, overflow, kg, vg), ek, ev
+    ek, ev, overflow, words = encode_groups(kg, vg, flush, cache.cfg, implementation, options,
+                                            nq)  # fmt: skip
+    return clear_groups(cache, nq, flush, overflow, kg, vg), ek, ev, words
 
 
-def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) -> KVCache:
-    """Store encoded groups at token position nq of each flushing row (shard-aware)."""
+def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0,
+                 words: Array | None = None) -> KVCache:  # fmt: skip
+    """Store encoded groups at token position nq of each flushing row (shard-aware);
+    ``words``: a record cache's half-record words from ``encode_groups`` (else computed)."""
     if cache.cfg.layout == "record":
-        return _write_records(cache, ek, ev, nq, flush, q_offset)
+        return _write_records(cache, ek, ev, nq, flush, q_offset, words)
     g = cache.cfg.group_size
     gofs = q_offset // g
     return dataclasses.replace(
@@ -178,12 +189,13 @@ def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) ->
     )
 
 
-def _write_records(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0) -> KVCache:
+def _write_records(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0,
+                   words: Array | None = None) -> KVCache:  # fmt: skip
     """``write_groups`` of a layout='record' cache: each flushing row's group becomes one half
     of record nq // 64 (read, merged by the half's word mask, written back: one 1600-word
     record per (row, head)), its norms go to kn[nq : nq + G] as float32."""
     rec, tile = cache.k_codes, record.TILE
-    words, mask, norm = record.group_update(ek, ev, nq, cache.num_kv_heads,
+    words, mask, norm = record.group_update(ek, ev, nq, cache.num_kv_heads, words=words,
                                             param_dtype=cache.cfg.scale_dtype)  # fmt: skip
     r, r_offset = _div(nq, tile), q_offset // tile
     local = jnp.clip(r - r_offset, 0, rec.shape[2] - 1)  # out of this shard: dropped below

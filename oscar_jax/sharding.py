@@ -222,8 +222,8 @@ def sharded_append(
     out, nq_old, due = ring.append_to_ring(cache, k_t, v_t)  # ring: not sequence-sharded
     if cache.quant_capacity == 0 or not flush:
         return out
-    c, ek, ev = ring.encode_flush(out, nq_old, due, implementation, options)
-    return sharded_write_flush(c, fl.Flush(ek, ev, nq_old, due), mesh, ax)
+    c, ek, ev, words = ring.encode_flush(out, nq_old, due, implementation, options)
+    return sharded_write_flush(c, fl.Flush(ek, ev, nq_old, due, words), mesh, ax)
 
 
 def shard_map_on(mesh: Mesh, f, ins, outs):
@@ -247,11 +247,13 @@ def shard_map_on(mesh: Mesh, f, ins, outs):
 
 
 def flush_specs(c: KVCache, ax: MeshAxes = AXES) -> fl.Flush:
-    """PartitionSpecs of a cache's encoded ``Flush`` (rows on data, KV heads on model)."""
+    """PartitionSpecs of a cache's encoded ``Flush`` (rows on data, KV heads on model; a
+    record cache's words too)."""
     kv4 = P(ax.data, ax.model, None, None)
     norm = P(ax.data, cache_specs(c, ax).k_norm[1], None)
+    words = P(ax.data, ax.model, None) if c.cfg.layout == "record" else None
     return fl.Flush(EncodedKeys(kv4, kv4, kv4, norm), EncodedValues(kv4, kv4, kv4), P(ax.data),
-                    P(ax.data))  # fmt: skip
+                    P(ax.data), words)  # fmt: skip
 
 
 def _or_over(flags, axis: str):
@@ -296,6 +298,8 @@ def sharded_prepare_flushes(caches, mesh: Mesh, ax: MeshAxes = AXES, **kwargs):
 def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
     """``oscar_jax.flush.write_flush`` on the sequence shards: each writes the groups it owns."""
     specs, fspec = cache_specs(c, ax), flush_specs(c, ax)
+    if f.words is None:  # a flush made without its record words: computed at the write
+        fspec = fspec._replace(words=None)
 
     def local_write(c, f):
         return fl.write_flush(c, f, q_offset=jax.lax.axis_index(ax.sequence) * c.quant_capacity)

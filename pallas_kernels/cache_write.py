@@ -270,7 +270,7 @@ def _fused_update_records(cache: KVCache, k_t, v_t, todo: Flush, interpret: bool
     b, h, d = cache.batch, cache.num_kv_heads, cache.head_dim
     g, s, lq = cache.cfg.group_size, cache.slots, cache.quant_capacity
     slot, clr, at, lengths, flags = _plan(cache, k_t, v_t, todo)
-    words, mask, norm = record.group_update(todo.ek, todo.ev, todo.nq, h,
+    words, mask, norm = record.group_update(todo.ek, todo.ev, todo.nq, h, words=todo.words,
                                             param_dtype=cache.cfg.scale_dtype)  # fmt: skip
     nrec = lq // record.TILE
 
@@ -317,9 +317,12 @@ def sharded_fused_update(
         )
     osh.check_mesh(cache, mesh, ax)
     specs, kv = osh.cache_specs(cache, ax), P(ax.data, ax.model, None)
+    fspec = osh.flush_specs(cache, ax)
+    if todo.words is None:  # record words computed at the write
+        fspec = fspec._replace(words=None)
     out = osh.shard_map_on(
         mesh, lambda c, k, v, f: fused_update(c, k, v, f, **options),
-        (specs, kv, kv, osh.flush_specs(cache, ax)), specs,
+        (specs, kv, kv, fspec), specs,
     )(cache, k_t, v_t, todo)  # fmt: skip
     _, _, lengths, flags = ring_append_plan(cache, k_t, v_t)
     return dataclasses.replace(out, lengths=lengths, flags=flags)

@@ -255,3 +255,22 @@ def test_model_decode_over_a_record_cache_equals_planar():
         assert caches[0].cfg.layout == layout and int(caches[0].num_quantized().min()) == 64
         runs.append(np.stack(seq))
     np.testing.assert_array_equal(*runs)
+
+
+def test_early_flush_carries_the_record_words_it_writes():
+    """prepare_flushes computes a record cache's half-record words with the encoding (under
+    its lax.cond, not for every layer on every step); they equal the words the write would
+    compute, and writing with or without them stores the same bits."""
+    _, rec = _caches(11, [159, 191, 40])  # rows 0 and 1 flush a group (halves 0 and 1)
+    caches, todo = flush.prepare_flushes((rec, rec))
+    for c, f in zip(caches, todo, strict=True):
+        assert f.words is not None and f.words.shape == (3, 2, record.WORDS)
+        assert np.asarray(f.flush).any()
+        want = record.flush_words(f.ek, f.ev, f.nq, param_dtype=c.cfg.scale_dtype)
+        np.testing.assert_array_equal(np.asarray(f.words)[np.asarray(f.flush)],
+                                      np.asarray(want)[np.asarray(f.flush)])  # fmt: skip
+        got = flush.write_flush(c, f)
+        again = flush.write_flush(c, f._replace(words=None))
+        jax.tree.map(np.testing.assert_array_equal, got, again)
+    planar, _ = _caches(11, [159, 191, 40])
+    assert flush.prepare_flushes((planar,))[1][0].words is None
