@@ -91,13 +91,14 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     cfg = cfg or default_config(cache.quant_capacity)
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, D)
-    q_rot = hadamard.rotate(qg, kcfg) if kcfg.rotate_keys else qg
+    # dense: one [128, 128] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
+    q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
     if merge == "mosaic":
         out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
                                             ring_valid, cfg=cfg, softmax_scale=softmax_scale,
                                             param_dtype=pdt)  # fmt: skip
     else:
-        unrot = (lambda x: hadamard.unrotate(x, kcfg)) if kcfg.rotate_values else None
+        unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
         out = int2_decode_attention(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
                                     ring_valid, cfg=cfg, softmax_scale=softmax_scale,
                                     param_dtype=pdt, unrotate=unrot)  # fmt: skip
