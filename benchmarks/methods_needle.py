@@ -11,8 +11,9 @@ use (``--heldout``, else the model's ``heldout_sample.npy``, else the bundled do
 text), the windows of ``--calib-ctx`` tokens after the first ``--calib-scored`` (defaults:
 the comparison table's 4 scored windows of 1,024), so with the same fitted state as that
 table; the needle prompts (passkey filler) share no text with them. Prints the summed
-answer log-likelihood per method, its mean over prompts and the paired difference to
-bf16::
+answer log-likelihood per method, its mean over prompts, whether greedy decoding would emit
+exactly the answer's tokens (``answer_scores``: every teacher-forced position's argmax is
+its target) and the paired difference to bf16::
 
     python -m benchmarks.methods_needle --model qwen2.5-0.5b --length 512 \
         --depths 10,50,90 --methods bf16,kivi2,oscar2,oscarb2,kvquant2
@@ -72,11 +73,14 @@ def main(argv=None) -> dict[str, np.ndarray]:
     rows = {}
     for mt in methods:
         t0 = time.perf_counter()
-        ll = eval_niah.answer_logprob(m, prompts, mt.kv, batch=len(prompts),
-                                      cache_dtype="bfloat16")  # fmt: skip
-        rows[mt.name] = np.asarray(ll)
+        sc = eval_niah.answer_scores(m, prompts, mt.kv, batch=len(prompts),
+                                     cache_dtype="bfloat16")  # fmt: skip
+        ll, hit = np.asarray([s[0] for s in sc]), [s[1] for s in sc]
+        rows[mt.name] = ll
         print(f"{mt.name}: answer log-likelihood per prompt {np.round(ll, 3).tolist()} "
-              f"mean {np.mean(ll):.3f} ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+              f"mean {np.mean(ll):.3f}; greedy emits the answer {sum(hit)}/{len(hit)} "
+              f"{''.join('x' if h else '.' for h in hit)} "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
     if "bf16" in rows:
         for k, v in rows.items():
             d = v - rows["bf16"]

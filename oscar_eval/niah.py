@@ -155,7 +155,8 @@ def _answer_lp_jit(mc: ModelConfig, kv, cache_dtype, params, ids, plen, pos, tgt
     x = _prefill_decode_hidden(mc, params, ids, plen, kv, cache_dtype)
     xs = jnp.take_along_axis(x, pos[..., None], axis=1)  # [B, A, Hd]
     lp = jax.nn.log_softmax(layers.lm_head(mc, params, xs), axis=-1)  # [B, A, V]
-    return jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0]  # [B, A]
+    top = jnp.argmax(lp, axis=-1) == tgt  # [B, A] the target is the greedy token
+    return jnp.take_along_axis(lp, tgt[..., None], axis=-1)[..., 0], top  # [B, A] twice
 
 
 def answer_logprob(
@@ -165,6 +166,19 @@ def answer_logprob(
     """Log-likelihood (nats, summed over tokens) of each prompt's ``answer_ids`` after its
     ``ids``: the prompt prefilled at full precision, the answer teacher-forced through the
     cache of ``kv`` (``cache_dtype``: what the cache stores K/V in; default the model's)."""
+    return [ll for ll, _ in answer_scores(m, prompts, kv, batch=batch, cache_dtype=cache_dtype)]
+
+
+def answer_scores(
+    m: CausalLM, prompts: list[dict], kv: oj.KVQuantConfig, *, batch: int | None = None,
+    cache_dtype=None,
+) -> list[tuple[float, bool]]:  # fmt: skip
+    """``answer_logprob`` and, per prompt, whether greedy decoding would emit exactly the
+    answer's tokens: every teacher-forced answer position's argmax is its target (then each
+    greedy step sees the same tokens as the forced one). It needs no decoding loop, so it
+    reaches methods the real cache refuses (``oscar_jax.methods``); it is stricter than the
+    ``niah`` task's hit, which matches the decoded text (another tokenization of the
+    answer counts there)."""
     if not prompts or any("answer_ids" not in p or not p["answer_ids"] for p in prompts):
         raise ValueError("prompts must be non-empty, each with non-empty answer_ids")
     batch = len(prompts) if batch is None else batch
@@ -175,7 +189,7 @@ def answer_logprob(
     t = -(-longest // LL_PAD) * LL_PAD
     params, ckv = m.folded_params(kv), eval_ppl.cache_kv_config(kv)
     dt = jnp.dtype(cache_dtype or m.dtype).name
-    out: list[float] = []
+    out: list[tuple[float, bool]] = []
     for i in range(0, len(prompts), batch):
         part = prompts[i : i + batch]
         part = part + [part[-1]] * (batch - len(part))  # one shape for every batch
@@ -191,8 +205,9 @@ def answer_logprob(
             pos[r, :a] = np.arange(n - 1, n + a - 1)  # the logits at pos predict tgt
             tgt[r, :a], mask[r, :a] = p["answer_ids"], True
         arrays = [jnp.asarray(a) for a in (ids, plen, pos, tgt)]
-        lp = np.asarray(_answer_lp_jit(m.config, ckv, dt, params, *arrays))
-        out += [float(np.where(mask[r], lp[r], 0.0).sum()) for r in range(len(part))]
+        lp, top = map(np.asarray, _answer_lp_jit(m.config, ckv, dt, params, *arrays))
+        out += [(float(np.where(mask[r], lp[r], 0.0).sum()), bool(np.all(top[r] | ~mask[r])))
+                for r in range(len(part))]  # fmt: skip
     return out[: len(prompts)]
 
 

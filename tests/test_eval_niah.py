@@ -101,6 +101,26 @@ def test_answer_logprob_equals_prefill_then_decoding(chat_dir):
         eval_niah.answer_logprob(m, [{"ids": [1, 2]}], parse_method("bf16").kv)
 
 
+def test_answer_scores_greedy_flag_is_what_greedy_decoding_emits(chat_dir):
+    """answer_scores' flag is True for the tokens greedy generation emits through the same
+    cache, and False once one of them is changed."""
+    m = models.from_pretrained(chat_dir)
+    rng = np.random.default_rng(1)
+    ids = [rng.integers(2, 300, n).tolist() for n in (140, 101)]
+    for name in ("bf16", "kivi2_r16_g16"):
+        kv = parse_method(name).kv
+        prompts = []
+        for p in ids:
+            toks = models.generate(m, np.asarray([p], np.int32), 5, kv)
+            prompts.append({"ids": p, "answer_ids": np.asarray(toks)[0, -5:].tolist()})
+        wrong = [dict(p, answer_ids=p["answer_ids"][:-1] + [(p["answer_ids"][-1] + 1) % 300])
+                 for p in prompts]  # fmt: skip
+        got = eval_niah.answer_scores(m, prompts + wrong, kv, batch=2)
+        assert [h for _, h in got] == [True, True, False, False], (name, got)
+        lls = eval_niah.answer_logprob(m, prompts + wrong, kv, batch=2)
+        np.testing.assert_allclose([ll for ll, _ in got], lls, rtol=0, atol=0)
+
+
 def test_paired_ll_delta():
     d, lo, hi = eval_niah.paired_ll_delta([1.0, 2.0, 3.0, 5.0], [1.0, 1.0, 1.0, 1.0])
     assert d == pytest.approx(1.75) and lo < d < hi
