@@ -274,3 +274,29 @@ def test_early_flush_carries_the_record_words_it_writes():
         jax.tree.map(np.testing.assert_array_equal, got, again)
     planar, _ = _caches(11, [159, 191, 40])
     assert flush.prepare_flushes((planar,))[1][0].words is None
+
+
+def test_sharded_early_flush_of_record_caches_equals_one_device():
+    """sharded_prepare_flushes (rows on data, heads on model) gives each shard its rows' record
+    words; the caches and the flushing rows' groups and words equal one device's, and the
+    sharded write stores the same bits with or without the words."""
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2, 1), ("data", "model", "sequence"))
+    _, rec = _caches(11, [159, 191, 40, 100])
+    want_c, want_t = flush.prepare_flushes((rec, rec))
+    got_c, got_t = osh.sharded_prepare_flushes((rec, rec), mesh)
+    for a, w in zip(jax.tree.leaves(got_c), jax.tree.leaves(want_c), strict=True):
+        if a.size:
+            np.testing.assert_array_equal(a, w)
+    for tg, tw in zip(got_t, want_t, strict=True):
+        fl = np.asarray(tw.flush)  # other rows' groups are not stored (a skipped shard: zeros)
+        assert fl.any() and tg.words is not None
+        for a, w in zip(jax.tree.leaves(tg), jax.tree.leaves(tw), strict=True):
+            if a.ndim > 1 and a.size:
+                np.testing.assert_array_equal(np.asarray(a)[fl], np.asarray(w)[fl])
+    one = osh.sharded_write_flush(got_c[0], got_t[0], mesh)
+    two = osh.sharded_write_flush(got_c[0], got_t[0]._replace(words=None), mesh)
+    for a, w in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
+        if a.size:
+            np.testing.assert_array_equal(a, w)
