@@ -72,8 +72,8 @@ def encode_due(caches, implementation: str = "xla", **options):
     kg, vg = (jnp.stack([g[i] for g in groups], axis=1) for i in (0, 1))  # [B, n, H, G, D]
     kg, vg = (x.reshape(-1, *x.shape[2:]) for x in (kg, vg))  # [B * n, H, G, D]
     flush, nq = (jnp.stack([d[i] for d in due], axis=1).reshape(-1) for i in (1, 0))
-    ek, ev, bad, words = encode_groups(kg, vg, flush, caches[0].cfg, implementation, options,
-                                       nq)  # fmt: skip
+    ek, ev, bad, words = encode_groups(kg, vg, flush, nq, caches[0].cfg, implementation,
+                                       options)  # fmt: skip
     return due, groups, (ek, ev, words), bad
 
 

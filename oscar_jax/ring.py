@@ -116,22 +116,21 @@ def ring_groups(cache: KVCache, nq: Array) -> tuple[Array, Array]:
     return take(cache.k_res, start), take(cache.v_res, start)
 
 
-def encode_groups(kg, vg, flush: Array, cfg: KVQuantConfig, implementation: str, options,
-                  nq: Array | None = None):  # fmt: skip
+def encode_groups(kg, vg, flush: Array, nq: Array, cfg: KVQuantConfig, implementation: str,
+                  options):  # fmt: skip
     """Encode groups [B, H, G, D] when a row flushes (a ``lax.cond`` of small outputs).
 
     -> (EncodedKeys, EncodedValues, overflow [B]: a flushing row whose encoding is not
-    finite, words: for a layout='record' config and ``nq`` [B] given, the groups'
-    half-record words [B, H, 1600] (``record.flush_words``), else None). Without a
-    flushing row the encoder is skipped (zeros returned).
+    finite, words: for a layout='record' config the half-record words [B, H, 1600] of the
+    groups stored at quantized position nq [B] (``record.flush_words``), else None).
+    Without a flushing row the encoder is skipped (zeros returned).
     """
-    pdt = cfg.scale_dtype
 
     def enc(kg, vg):
         ek, ev = codec.encode(kg, vg, cfg, implementation=implementation, **options)
         words = None
-        if cfg.layout == "record" and nq is not None:
-            words = record.flush_words(ek, ev, nq, param_dtype=pdt)
+        if cfg.layout == "record":
+            words = record.flush_words(ek, ev, nq, param_dtype=cfg.scale_dtype)
         return ek, ev, flush & _nonfinite_encoding(ek, ev, cfg.levels), words
 
     shapes = jax.eval_shape(enc, kg, vg)
@@ -164,8 +163,8 @@ def encode_flush(cache: KVCache, nq: Array, flush: Array, implementation: str, o
     ``write_groups``.
     """
     kg, vg = ring_groups(cache, nq)
-    ek, ev, overflow, words = encode_groups(kg, vg, flush, cache.cfg, implementation, options,
-                                            nq)  # fmt: skip
+    ek, ev, overflow, words = encode_groups(kg, vg, flush, nq, cache.cfg, implementation,
+                                            options)  # fmt: skip
     return clear_groups(cache, nq, flush, overflow, kg, vg), ek, ev, words
 
 

@@ -246,12 +246,13 @@ def shard_map_on(mesh: Mesh, f, ins, outs):
     return placed
 
 
-def flush_specs(c: KVCache, ax: MeshAxes = AXES) -> fl.Flush:
+def flush_specs(c: KVCache, ax: MeshAxes = AXES, f: fl.Flush | None = None) -> fl.Flush:
     """PartitionSpecs of a cache's encoded ``Flush`` (rows on data, KV heads on model; a
-    record cache's words too)."""
+    record cache's words too, unless the given flush ``f`` carries none)."""
     kv4 = P(ax.data, ax.model, None, None)
     norm = P(ax.data, cache_specs(c, ax).k_norm[1], None)
-    words = P(ax.data, ax.model, None) if c.cfg.layout == "record" else None
+    has_words = c.cfg.layout == "record" and (f is None or f.words is not None)
+    words = P(ax.data, ax.model, None) if has_words else None
     return fl.Flush(EncodedKeys(kv4, kv4, kv4, norm), EncodedValues(kv4, kv4, kv4), P(ax.data),
                     P(ax.data), words)  # fmt: skip
 
@@ -297,9 +298,7 @@ def sharded_prepare_flushes(caches, mesh: Mesh, ax: MeshAxes = AXES, **kwargs):
 
 def sharded_write_flush(c: KVCache, f: fl.Flush, mesh: Mesh, ax: MeshAxes = AXES) -> KVCache:
     """``oscar_jax.flush.write_flush`` on the sequence shards: each writes the groups it owns."""
-    specs, fspec = cache_specs(c, ax), flush_specs(c, ax)
-    if f.words is None:  # a flush made without its record words: computed at the write
-        fspec = fspec._replace(words=None)
+    specs, fspec = cache_specs(c, ax), flush_specs(c, ax, f)
 
     def local_write(c, f):
         return fl.write_flush(c, f, q_offset=jax.lax.axis_index(ax.sequence) * c.quant_capacity)

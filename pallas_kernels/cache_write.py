@@ -317,12 +317,9 @@ def sharded_fused_update(
         )
     osh.check_mesh(cache, mesh, ax)
     specs, kv = osh.cache_specs(cache, ax), P(ax.data, ax.model, None)
-    fspec = osh.flush_specs(cache, ax)
-    if todo.words is None:  # record words computed at the write
-        fspec = fspec._replace(words=None)
     out = osh.shard_map_on(
         mesh, lambda c, k, v, f: fused_update(c, k, v, f, **options),
-        (specs, kv, kv, fspec), specs,
+        (specs, kv, kv, osh.flush_specs(cache, ax, todo)), specs,
     )(cache, k_t, v_t, todo)  # fmt: skip
     _, _, lengths, flags = ring_append_plan(cache, k_t, v_t)
     return dataclasses.replace(out, lengths=lengths, flags=flags)
