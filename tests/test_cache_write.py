@@ -183,9 +183,14 @@ TINY = ModelConfig(
 )  # fmt: skip
 
 
-def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None, kv=None, config=TINY):
+def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None, kv=None, config=TINY,
+                       encode=None):  # fmt: skip
     """Prefill, then ``steps`` greedy decode steps, with the cache writes of XLA and of the
-    fused kernel: [(logits, caches)] per step for each, compared bit for bit."""
+    fused kernel: [(logits, caches)] per step for each, compared bit for bit.
+
+    ``encode``: the encoder of both runs (None: each run's own, XLA or the Pallas one;
+    compiled on a GPU the Pallas encoder rounds a few codes differently from XLA's,
+    ``test_quantize_kernel``, so a GPU comparison of the writes alone names one)."""
     kv = kv or oj.preset("oscar", bits=2, group_size=16, residual_length=16)
     m = models.CausalLM(config, rngs=nnx.Rngs(seed))
     ids = np.asarray(jax.random.randint(jax.random.key(seed), (2, 40), 0, 256), np.int32)
@@ -194,7 +199,7 @@ def fused_and_xla_runs(seed, lengths, steps, max_len, mesh=None, kv=None, config
         logits, caches, p = models.prefill(
             m, ids, kv, max_new_tokens=steps + 1, lengths=lengths, max_len=max_len, mesh=mesh,
             cache_dtype="bfloat16",
-            implementation=models.Backends(encode=impl, cache_write=impl),
+            implementation=models.Backends(encode=encode or impl, cache_write=impl),
         )  # fmt: skip
         assert models.fused_cache_write(p.st, caches[0]) == (impl == "pallas")
         if mesh is not None:  # the kernels run per device: nothing is gathered
@@ -235,7 +240,8 @@ def test_model_decode_fused_record_writes_equal_xla():
     half-record into its record as the XLA write does, bit for bit, across flushes."""
     kv = oj.preset("oscar", bits=2, residual_length=32, rotate_values=False, layout="record")
     config = dataclasses.replace(TINY, num_heads=2, num_kv_heads=1, head_dim=128)
-    run = fused_and_xla_runs(4, np.array([40, 35], np.int32), 60, 400, kv=kv, config=config)
+    run = fused_and_xla_runs(4, np.array([40, 35], np.int32), 60, 400, kv=kv, config=config,
+                             encode="xla")  # fmt: skip
     last = run[-1][1][0]
     assert last.cfg.layout == "record"
     assert np.asarray(last.num_quantized()).tolist() == [64, 32]  # both halves of a record
