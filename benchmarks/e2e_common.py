@@ -73,8 +73,8 @@ def parse_caches(text: str, default_impl: str) -> list[CacheSpec]:
             kv = oj.preset("oscar", bits=int(name[5:])).replace(rotate_values=False)
         else:
             raise ValueError(f"cache={item!r} must be bf16 or oscarN, optionally ':impl'")
-        if impl == "mosaic":  # the Mosaic kernel reads the record layout the cache holds
-            kv = kv.replace(layout="record")
+        # named, not "auto": the Mosaic kernel reads the record layout, the others planar
+        kv = kv.replace(layout="record" if impl == "mosaic" else "planar")
         out.append(CacheSpec(name, kv, impl or default_impl))
     if not out:
         raise ValueError(f"caches={text!r} must name at least one cache")

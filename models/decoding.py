@@ -278,7 +278,7 @@ def prepare(
         warnings.warn(KEY_BIAS_WARNING.format(method=kv.method), KeyBiasWarning, stacklevel=3)
     be = Backends.of(implementation)
     be = be.replace(prompt_attention=_check_prompt_attention(be.prompt_attention, m.dtype, mesh))
-    cache_kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
+    cache_kv = memory.cache_config(m.config, kv, attention=be.attention, sharded=mesh is not None)
     if mesh is not None:
         check_mesh(m.config, cache_kv, mesh, mesh_axes, b, int(max_len), be.attention)
     st = Static(
@@ -479,7 +479,7 @@ def decode_step_hlo(
     it works for full-size configs without allocating params or caches. The params are
     in the per-layer form (``CausalLM.decode_params``), as decoding runs them.
     """
-    kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
+    kv = memory.cache_config(cfg, kv, attention="xla", sharded=True)
     check_mesh(cfg, kv, mesh, ax, batch, max_len, "xla")
     st = Static(
         model=cfg, kv=kv, max_len=max_len, cache_dtype=jnp.dtype(dtype).name,

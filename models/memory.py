@@ -19,11 +19,22 @@ from models.config import ModelConfig, gemma3_270m, llama31_8b, qwen3_8b, qwen3_
 from models.model import abstract_model
 
 
+def cache_config(cfg: ModelConfig, kv: oj.KVQuantConfig, *, attention="auto",
+                 sharded: bool = False) -> oj.KVQuantConfig:  # fmt: skip
+    """The config of model ``cfg``'s caches: the value rotation folded into the weights (the
+    cache stores values as given) and a ``layout="auto"`` decided for this model's head_dim
+    and GQA group and the decode attention backend (``oscar_jax.backends.storage_layout``)."""
+    kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
+    return oj.backends.storage_layout(
+        kv, head_dim=cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
+        group=cfg.num_heads // cfg.num_kv_heads, attention=attention, sharded=sharded,
+    )  # fmt: skip
+
+
 def abstract_cache(cfg: ModelConfig, kv: oj.KVQuantConfig, *, batch: int, max_len: int,
                    dtype=jnp.bfloat16):  # fmt: skip
     """One layer's cache [B, ...] as ShapeDtypeStructs (``models.generate`` holds L of them)."""
-    if kv.rotate_values:  # the model folds the value rotation; the cache stores values as given
-        kv = kv.replace(rotate_values=False)
+    kv = cache_config(cfg, kv)
     return jax.eval_shape(lambda: oj.init_cache(
         kv, batch=batch, max_len=max_len, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, dtype=dtype,

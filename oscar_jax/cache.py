@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from oscar_jax import codec, record
+from oscar_jax import backends, codec, record
 from oscar_jax.config import KVQuantConfig
 from oscar_jax.eager import compiled
 
@@ -209,13 +209,22 @@ def init_cache(
     num_kv_heads: int,
     head_dim: int,
     dtype=jnp.bfloat16,
+    attention=None,
 ) -> KVCache:
-    """An empty cache for one layer that can hold ``max_len`` tokens per row."""
+    """An empty cache for one layer that can hold ``max_len`` tokens per row.
+
+    ``attention``: the decode attention backend that will read the cache ("auto", "mosaic",
+    ...); it decides a ``layout="auto"`` config's layout (``backends.storage_layout``; for
+    "auto", assuming at most 16 query heads per KV head). None (default): an "auto" layout
+    is "planar", the layout every backend but Mosaic reads. ``models.prepare`` decides it
+    from the model and its backends. The cache's ``cfg`` names the layout chosen."""
     if not isinstance(cfg, KVQuantConfig):
         raise ValueError(f"cfg={cfg!r} must be a KVQuantConfig (see oscar_jax.preset)")
     for name, val in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads)):
         _check_int(name, val)
     cfg.validate_head_dim(head_dim)
+    cfg = backends.storage_layout(cfg, head_dim=head_dim, num_kv_heads=num_kv_heads,
+                                  attention="xla" if attention is None else attention)  # fmt: skip
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"{dtype=} must be a floating dtype")
     b, h, d = batch, num_kv_heads, head_dim

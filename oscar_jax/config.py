@@ -21,7 +21,7 @@ SUPPORTED_BITS: tuple[int, ...] = (1, 2, 3, 4, 8)
 NORM_GRANULARITIES: tuple[str, ...] = ("per_head", "per_token")
 ROTATION_KINDS: tuple[str, ...] = ("hadamard", "randomized_hadamard", "random_orthogonal", "none")
 PARAM_DTYPES: tuple[str, ...] = ("bfloat16", "float16", "float32", "float8_e4m3fn")
-LAYOUTS: tuple[str, ...] = ("planar", "record")
+LAYOUTS: tuple[str, ...] = ("auto", "planar", "record")
 
 
 _BITS = ", ".join(map(str, SUPPORTED_BITS[:-1])) + f" or {SUPPORTED_BITS[-1]}"
@@ -56,12 +56,16 @@ class KVQuantConfig:
         to |x| <= 65504 (a row whose parameters overflow is flagged ``FLAG_NONFINITE``).
         ``"bfloat16"`` / ``"float32"`` for wider ranges.
       norm_dtype: dtype of the stored token norms.
-      layout: how the quantized part is stored. ``"planar"`` (default): codes, scales,
-        zeros and norms in separate arrays (``oscar_jax.cache``), read by the "xla" and
-        "triton" backends. ``"record"``: one 1600-word record per 64 tokens and float32
-        norms (``oscar_jax.record``), what the "mosaic" decode backend reads without a
+      layout: how the quantized part is stored. ``"planar"``: codes, scales, zeros and
+        norms in separate arrays (``oscar_jax.cache``), read by the "xla" and "triton"
+        backends. ``"record"``: one 1600-word record per 64 tokens and float32 norms
+        (``oscar_jax.record``), what the "mosaic" decode backend reads without a
         conversion; INT2, group_size 32, float16/bfloat16 parameters and head_dim 128 only
-        (``record_reason``).
+        (``record_reason``). ``"auto"`` (default): decided when a cache is made
+        (``backends.storage_layout``): "record" where the decode attention would read it
+        with the Mosaic kernel (a Hopper GPU, a covered config; the fastest decode step
+        measured there), "planar" everywhere else. A cache's config always names a
+        concrete layout.
     """
 
     method: str = "oscar"
@@ -76,7 +80,7 @@ class KVQuantConfig:
     rotation_seed: int = 0
     param_dtype: str = "float16"
     norm_dtype: str = "bfloat16"
-    layout: str = "planar"
+    layout: str = "auto"
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -77,3 +77,33 @@ def test_auto_takes_no_tuning_options_and_is_listed():
     assert oj.Backends.of("auto").encode == "xla"
     with pytest.raises(ValueError, match="must be one of"):
         backends.canonical("encode", "auto")
+
+
+def test_an_auto_layout_is_record_where_auto_attention_would_run_mosaic(monkeypatch):
+    """layout="auto" (the default) becomes "record" only where the decode attention reads
+    the cache with the Mosaic kernel; everywhere else "planar", and a cache names it."""
+    kv = oj.preset("oscar", bits=2)
+    assert kv.layout == "auto" and oj.KVQuantConfig().layout == "auto"
+
+    def lay(cfg=kv, head_dim=D, **kw):
+        return backends.storage_layout(cfg, head_dim=head_dim, num_kv_heads=2, **kw).layout
+
+    # no GPU (as in CI): planar unless Mosaic is named
+    assert lay() == "planar" and lay(attention="triton") == "planar"
+    assert lay(attention="mosaic") == "record"
+    shape = dict(batch=1, max_len=256, num_kv_heads=2, head_dim=D)
+    assert oj.init_cache(kv, **shape).cfg.layout == "planar"  # attention=None: planar
+    assert oj.init_cache(kv, **shape, attention="auto").cfg.layout == "planar"
+    assert oj.init_cache(kv, **shape, attention="mosaic").cfg.layout == "record"
+    # a Hopper GPU pretended (Mosaic importable): record where Mosaic covers the cache
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
+    monkeypatch.setitem(backends._RESOLVED, ("decode_attention", "mosaic"), lambda *a, **k: 0)
+    assert lay() == "record" and lay(group=16) == "record"
+    assert oj.init_cache(kv, **shape, attention="auto").cfg.layout == "record"
+    assert lay(group=17) == "planar"  # the kernel's GQA limit
+    assert lay(sharded=True) == "planar"
+    assert lay(attention="pallas") == "planar" and lay(attention="xla") == "planar"
+    assert lay(oj.preset("oscar", bits=4)) == "planar"
+    assert lay(head_dim=64) == "planar" and lay(oj.preset("bf16")) == "planar"
+    assert lay(kv.replace(layout="planar")) == "planar"  # a named layout is kept
+    assert lay(oj.preset("kivi", bits=2, param_dtype="float32")) == "planar"

@@ -302,3 +302,26 @@ def test_sharded_early_flush_of_record_caches_equals_one_device():
     for a, w in zip(jax.tree.leaves(one), jax.tree.leaves(two), strict=True):
         if a.size:
             np.testing.assert_array_equal(a, w)
+
+
+def test_prepare_decides_an_auto_layout_from_the_model_and_its_backends(monkeypatch):
+    """models.prepare hands its caches "record" for a head_dim-128 INT2 model exactly where
+    its decode attention is the Mosaic kernel (a Hopper GPU pretended here), else "planar";
+    the memory planner sees the same caches."""
+    small = dict(vocab_size=256, hidden_size=256, intermediate_size=256, num_layers=2)
+    mc = dataclasses.replace(models.config.qwen3_8b(), num_heads=4, num_kv_heads=2, **small)
+    m = CausalLM(mc, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    ids = np.ones((1, 8), np.int32)
+    kv = oj.preset("oscar", bits=2)
+
+    def layout(**kw):
+        return models.prepare(m, ids, max_new_tokens=4, kv=kv, **kw).st.kv.layout
+
+    monkeypatch.setattr(backends, "gpu_available", lambda: False)
+    assert layout() == "planar"
+    monkeypatch.setattr(backends, "gpu_available", lambda: True)
+    monkeypatch.setitem(backends._RESOLVED, ("decode_attention", "mosaic"), lambda *a, **k: 0)
+    assert layout() == "record" and layout(implementation="mosaic") == "record"
+    assert layout(implementation="triton") == "planar"
+    abstract = models.memory.abstract_cache(mc, kv, batch=1, max_len=512)
+    assert abstract.cfg.layout == "record"

@@ -75,8 +75,11 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     softmax_scale * log2(e), heads past g zero); k_res, v_res [B, H, R, 128] bfloat16 or
     float16; ring_mask [B, Rp] f32 (1 valid slot, 0 not), Rp = R rounded up to 64.
     Returns out^T [B, H, 2, 64, NPAD] f32, normalised (0 for a row with no token).
-    One CTA (one warpgroup) per (b, h): ring tiles of 64 slots through wgmma (A = K tile /
-    V^T tile from shared memory), then the splits' partials rescaled to the common max.
+    One CTA (one warpgroup) per (b, h, channel half c): ring tiles of 64 slots through wgmma
+    (A = K tile / V^T tile of half c from shared memory; each half's CTA computes the ring's
+    scores itself), then half c of the splits' partials rescaled to the common max. Two
+    CTAs a (b, h) halve the serial walk over the splits and double the programs of a
+    small batch.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -99,11 +102,12 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     ):
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
+        ci = jax.lax.axis_index("c")
         plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
 
         def ring_body(idxs, k_smem, v_smem, m_smem, carry):
-            m_prev, l_acc, o0, o1 = carry
+            m_prev, l_acc, o = carry
 
             def qk(acc_ref_):
                 plgpu.wgmma(acc_ref_, k_smem, q_smem)
@@ -122,17 +126,14 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             p_smem[...] = p.astype(rdt)
             plgpu.commit_smem()
 
-            def pv(refs):
-                a0, a1 = refs
-                plgpu.wgmma(a0, v_smem.at[:, pl.ds(0, TILE)].transpose((1, 0)), p_smem)
-                plgpu.wgmma(a1, v_smem.at[:, pl.ds(TILE, TILE)].transpose((1, 0)), p_smem)
+            def pv(acc_ref_):
+                plgpu.wgmma(acc_ref_, v_smem.transpose((1, 0)), p_smem)
 
-            o0, o1 = pl.run_state(pv)((plgpu.ACC.init(o0 * corr), plgpu.ACC.init(o1 * corr)))
-            return m_new, l_acc, o0, o1
+            o = pl.run_state(pv)(plgpu.ACC.init(o * corr))
+            return m_new, l_acc, o
 
         init = (
             plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
-            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
             plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
             plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
         )
@@ -141,17 +142,17 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             grid=(rt,),
             in_specs=[
                 plgpu.BlockSpec((TILE, D), lambda i: (i, 0), transforms=a_tr),
-                plgpu.BlockSpec((TILE, D), lambda i: (i, 0), transforms=a_tr),
+                plgpu.BlockSpec((TILE, TILE), lambda i: (i, ci), transforms=a_tr),  # half c
                 plgpu.BlockSpec((TILE,), lambda i: (i,)),
             ],
             max_concurrent_steps=min(2, rt),
             init_carry=init,
         )
-        m, l_acc, o0, o1 = ring_pipe(k_ref.at[bi, hi], v_ref.at[bi, hi], mask_ref.at[bi])
+        m, l_acc, o = ring_pipe(k_ref.at[bi, hi], v_ref.at[bi, hi], mask_ref.at[bi])
         lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
 
         def part_body(idxs, a_smem, ml_smem, carry):
-            m_prev, l_prev, o0, o1 = carry
+            m_prev, l_prev, o = carry
             ms = [plgpu.load(ml_smem.at[2 * u], layout=WG.reduce(0)) for u in range(step)]
             ls = [plgpu.load(ml_smem.at[2 * u + 1], layout=WG.reduce(0)) for u in range(step)]
             m_new = m_prev
@@ -159,36 +160,32 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
                 m_new = jnp.maximum(m_new, mu)
             ca = jnp.exp2(m_prev - m_new)
             ca_b = jax.lax.broadcast_in_dim(ca, (TILE, NPAD), [1])
-            l_new, o0, o1 = l_prev * ca, o0 * ca_b, o1 * ca_b
+            l_new, o = l_prev * ca, o * ca_b
             for u in range(step):
                 cs = jnp.exp2(ms[u] - m_new)
                 cs_b = jax.lax.broadcast_in_dim(cs, (TILE, NPAD), [1])
                 l_new = l_new + ls[u] * cs
-                o0 = o0 + plgpu.load(a_smem.at[2 * u], layout=WG) * cs_b
-                o1 = o1 + plgpu.load(a_smem.at[2 * u + 1], layout=WG) * cs_b
-            return m_new, l_new, o0, o1
+                o = o + plgpu.load(a_smem.at[u], layout=WG) * cs_b
+            return m_new, l_new, o
 
         if s % step:
             raise ValueError(f"the split count {s} must be a multiple of {step=}")
         part_pipe = plgpu.emit_pipeline(
             part_body,
             grid=(s // step,),
-            in_specs=[
-                plgpu.BlockSpec((2 * step, TILE, NPAD), lambda i: (i, 0, 0)),
+            in_specs=[  # acc [S, 128, 16]: half c's 64 channels of ``step`` splits
+                plgpu.BlockSpec((step, TILE, NPAD), lambda i: (i, ci, 0)),
                 plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
             ],
             max_concurrent_steps=min(4 if step == 1 else 2, s // step),
-            init_carry=(m, lsum, o0, o1),
+            init_carry=(m, lsum, o),
         )
-        m, lsum, o0, o1 = part_pipe(
-            acc_ref.at[bi, hi], ml_ref.at[bi, hi]
-        )  # [S * 2, 64, 16], [S * 2, 16]
+        m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, 128, 16], [S * 2, 16]
         inv = jnp.where(lsum > 0, 1.0 / jnp.where(lsum > 0, lsum, 1.0), 0.0)
         inv_b = jax.lax.broadcast_in_dim(inv, (TILE, NPAD), [1])
-        o_smem[0] = o0 * inv_b
-        o_smem[1] = o1 * inv_b
+        o_smem[...] = o * inv_b
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, hi])
+        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, hi, ci])
         plgpu.wait_smem_to_gmem(0)
 
     fn = plgpu.kernel(
@@ -198,17 +195,17 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         scratch_types=[
             plgpu.SMEM((D, NPAD), rdt, transforms=b_tr),
             plgpu.SMEM((TILE, NPAD), rdt, transforms=b_tr),
-            plgpu.SMEM((2, TILE, NPAD), f32),
+            plgpu.SMEM((TILE, NPAD), f32),
             plgpu.Barrier(num_arrivals=1),
         ],
-        grid=(b, h),
-        grid_names=("b", "h"),
+        grid=(b, h, 2),
+        grid_names=("b", "h", "c"),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, unsafe_no_auto_barriers=not auto_barriers
         ),
     )
     return fn(
-        acc.reshape(b, h, s * 2, TILE, NPAD),
+        acc.reshape(b, h, s, D, NPAD),
         ml.reshape(b, h, s * 2, NPAD),
         q_ring_t,
         k_res,
