@@ -23,9 +23,9 @@ def cache_config(cfg: ModelConfig, kv: oj.KVQuantConfig, *, attention="auto",
                  sharded: bool = False) -> oj.KVQuantConfig:  # fmt: skip
     """The config of model ``cfg``'s caches: the value rotation folded into the weights (the
     cache stores values as given) and a ``layout="auto"`` decided for this model's head_dim
-    and GQA group and the decode attention backend (``oscar_jax.backends.storage_layout``)."""
+    and GQA group and the decode attention backend (``oscar_jax.storage_layout``)."""
     kv = kv.replace(rotate_values=False) if kv.rotate_values else kv
-    return oj.backends.storage_layout(
+    return oj.storage_layout(
         kv, head_dim=cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
         group=cfg.num_heads // cfg.num_kv_heads, attention=attention, sharded=sharded,
     )  # fmt: skip

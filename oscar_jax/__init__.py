@@ -31,6 +31,7 @@ from oscar_jax.cache import (
     dequantize,
     init_cache,
     prefill,
+    storage_layout,
 )
 from oscar_jax.checks import check_cache, checked
 from oscar_jax.codec import (
@@ -58,7 +59,7 @@ __all__ = [
     "decode_attention_xla", "decode_keys",
     "decode_values", "dequantize", "dequantize_groups", "diagnostics", "encode",
     "encode_keys_xla", "encode_values_xla", "fake_quant_keys", "fake_quant_values", "fwht",
-    "gpu_available",
+    "gpu_available", "storage_layout",
     "hadamard_matrix", "init_cache", "load_state", "merge_partials", "pack", "persistence",
     "prefill", "preset",
     "quantize_groups", "rotate",

@@ -174,37 +174,6 @@ def pick(op: str, implementation, cache, g: int, options: dict | None = None) ->
     return choose(op, cache, g)[0]
 
 
-def storage_layout(cfg, *, head_dim: int, num_kv_heads: int = 1, group: int = 1,
-                   attention="auto", sharded: bool = False):  # fmt: skip
-    """``cfg`` with ``layout="auto"`` made concrete (other layouts are returned as they are).
-
-    "record" where decode attention ``attention`` over such a cache runs the Mosaic kernel:
-    named "mosaic", or "auto" choosing it (``choose``: a Hopper GPU with jax >= 0.11.2 and
-    the kernel's coverage of the config, head_dim and ``group`` query heads per KV head);
-    "planar" otherwise, and under a mesh (``sharded``; the planar layout's sharded paths are
-    the ones checked on every mesh). Decided from static facts, before a cache exists.
-    """
-    if cfg.layout != "auto":
-        return cfg
-    planar = cfg.replace(layout="planar")
-    if sharded or cfg.record_reason(head_dim) is not None:
-        return planar
-    record = cfg.replace(layout="record")
-    name = attention if callable(attention) else canonical("decode_attention", attention)
-    if name == "mosaic":
-        return record
-    if name != "auto" or not gpu_available():
-        return planar
-    import jax  # noqa: PLC0415 (only here: the shape of a record cache)
-
-    from oscar_jax.cache import init_cache  # noqa: PLC0415 (cache imports this module)
-
-    shape = jax.eval_shape(lambda: init_cache(record, batch=1, max_len=record.residual_length
-                                              + 64, num_kv_heads=num_kv_heads,
-                                              head_dim=head_dim))  # fmt: skip
-    return record if choose("decode_attention", shape, group)[0] == "mosaic" else planar
-
-
 def _no_options(options: dict) -> None:
     if options:
         raise ValueError(

@@ -105,6 +105,13 @@ class KVCache:
     cfg: KVQuantConfig
     max_len: int
 
+    def __post_init__(self):
+        if self.cfg.layout == "auto":  # the arrays' shapes depend on the layout
+            raise ValueError(
+                "cfg.layout='auto' must be decided before a cache holds the config "
+                "(init_cache and models.prepare decide it: storage_layout)"
+            )
+
     @property
     def batch(self) -> int:
         return self.k_res.shape[0]
@@ -201,6 +208,33 @@ def _check_int(name: str, val) -> None:
         raise ValueError(f"{name}={val!r} must be a positive int")
 
 
+def storage_layout(cfg, *, head_dim: int, num_kv_heads: int = 1, group: int = 1,
+                   attention="auto", sharded: bool = False):  # fmt: skip
+    """``cfg`` with ``layout="auto"`` made concrete (other layouts are returned as they are).
+
+    "record" where decode attention ``attention`` over such a cache runs the Mosaic kernel:
+    named "mosaic", or "auto" choosing it (``backends.choose``: a Hopper GPU with jax >= 0.11.2 and
+    the kernel's coverage of the config, head_dim and ``group`` query heads per KV head);
+    "planar" otherwise, and under a mesh (``sharded``; the planar layout's sharded paths are
+    the ones checked on every mesh). Decided from static facts, before a cache exists.
+    """
+    if cfg.layout != "auto":
+        return cfg
+    planar = cfg.replace(layout="planar")
+    if sharded or cfg.record_reason(head_dim) is not None:
+        return planar
+    record = cfg.replace(layout="record")
+    name = attention if callable(attention) else backends.canonical("decode_attention", attention)
+    if name == "mosaic":
+        return record
+    if name != "auto" or not backends.gpu_available():
+        return planar
+    shape = jax.eval_shape(lambda: init_cache(record, batch=1, max_len=record.residual_length
+                                              + 64, num_kv_heads=num_kv_heads,
+                                              head_dim=head_dim))  # fmt: skip
+    return record if backends.choose("decode_attention", shape, group)[0] == "mosaic" else planar
+
+
 def init_cache(
     cfg: KVQuantConfig,
     *,
@@ -214,7 +248,7 @@ def init_cache(
     """An empty cache for one layer that can hold ``max_len`` tokens per row.
 
     ``attention``: the decode attention backend that will read the cache ("auto", "mosaic",
-    ...); it decides a ``layout="auto"`` config's layout (``backends.storage_layout``; for
+    ...); it decides a ``layout="auto"`` config's layout (``storage_layout``; for
     "auto", assuming at most 16 query heads per KV head). None (default): an "auto" layout
     is "planar", the layout every backend but Mosaic reads. ``models.prepare`` decides it
     from the model and its backends. The cache's ``cfg`` names the layout chosen."""
@@ -223,7 +257,7 @@ def init_cache(
     for name, val in (("batch", batch), ("max_len", max_len), ("num_kv_heads", num_kv_heads)):
         _check_int(name, val)
     cfg.validate_head_dim(head_dim)
-    cfg = backends.storage_layout(cfg, head_dim=head_dim, num_kv_heads=num_kv_heads,
+    cfg = storage_layout(cfg, head_dim=head_dim, num_kv_heads=num_kv_heads,
                                   attention="xla" if attention is None else attention)  # fmt: skip
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"{dtype=} must be a floating dtype")

@@ -62,7 +62,7 @@ class KVQuantConfig:
         (``oscar_jax.record``), what the "mosaic" decode backend reads without a
         conversion; INT2, group_size 32, float16/bfloat16 parameters and head_dim 128 only
         (``record_reason``). ``"auto"`` (default): decided when a cache is made
-        (``backends.storage_layout``): "record" where the decode attention would read it
+        (``oscar_jax.storage_layout``): "record" where the decode attention would read it
         with the Mosaic kernel (a Hopper GPU, a covered config; the fastest decode step
         measured there), "planar" everywhere else. A cache's config always names a
         concrete layout.

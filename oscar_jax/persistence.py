@@ -270,7 +270,7 @@ def _decode(node, path, header, data, take, mesh):
         return take(name, arr, node.get("impl") if t == "key" else None)
     if t == "KVCache":
         try:
-            cfg = KVQuantConfig(**node["cfg"])
+            cfg = KVQuantConfig(**{"layout": "planar", **node["cfg"]})  # absent: planar
         except (TypeError, ValueError) as e:
             raise _fail(path, f"bad KVQuantConfig in the header: {e}") from e
         if cfg.layout == "record" and node.get("record_layout") != RECORD_VERSION:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -86,7 +88,7 @@ def test_an_auto_layout_is_record_where_auto_attention_would_run_mosaic(monkeypa
     assert kv.layout == "auto" and oj.KVQuantConfig().layout == "auto"
 
     def lay(cfg=kv, head_dim=D, **kw):
-        return backends.storage_layout(cfg, head_dim=head_dim, num_kv_heads=2, **kw).layout
+        return oj.storage_layout(cfg, head_dim=head_dim, num_kv_heads=2, **kw).layout
 
     # no GPU (as in CI): planar unless Mosaic is named
     assert lay() == "planar" and lay(attention="triton") == "planar"
@@ -95,6 +97,8 @@ def test_an_auto_layout_is_record_where_auto_attention_would_run_mosaic(monkeypa
     assert oj.init_cache(kv, **shape).cfg.layout == "planar"  # attention=None: planar
     assert oj.init_cache(kv, **shape, attention="auto").cfg.layout == "planar"
     assert oj.init_cache(kv, **shape, attention="mosaic").cfg.layout == "record"
+    with pytest.raises(ValueError, match="layout='auto' must be decided"):
+        dataclasses.replace(oj.init_cache(kv, **shape), cfg=kv)  # a cache names its layout
     # a Hopper GPU pretended (Mosaic importable): record where Mosaic covers the cache
     monkeypatch.setattr(backends, "gpu_available", lambda: True)
     monkeypatch.setitem(backends._RESOLVED, ("decode_attention", "mosaic"), lambda *a, **k: 0)
