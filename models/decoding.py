@@ -479,7 +479,7 @@ def decode_step_hlo(
     it works for full-size configs without allocating params or caches. The params are
     in the per-layer form (``CausalLM.decode_params``), as decoding runs them.
     """
-    kv = memory.cache_config(cfg, kv, attention="xla", sharded=True)
+    kv = memory.cache_config(cfg, kv, sharded=True)
     check_mesh(cfg, kv, mesh, ax, batch, max_len, "xla")
     st = Static(
         model=cfg, kv=kv, max_len=max_len, cache_dtype=jnp.dtype(dtype).name,

@@ -213,10 +213,10 @@ def storage_layout(cfg, *, head_dim: int, num_kv_heads: int = 1, group: int = 1,
     """``cfg`` with ``layout="auto"`` made concrete (other layouts are returned as they are).
 
     "record" where decode attention ``attention`` over such a cache runs the Mosaic kernel:
-    named "mosaic", or "auto" choosing it (``backends.choose``: a Hopper GPU with jax >= 0.11.2 and
-    the kernel's coverage of the config, head_dim and ``group`` query heads per KV head);
-    "planar" otherwise, and under a mesh (``sharded``; the planar layout's sharded paths are
-    the ones checked on every mesh). Decided from static facts, before a cache exists.
+    named "mosaic", or "auto" choosing it (``backends.choose``: a Hopper GPU with jax >=
+    0.11.2 and the kernel's coverage of the config, head_dim and ``group`` query heads per
+    KV head); "planar" otherwise, and under a mesh (``sharded``; the planar layout's sharded
+    paths are the ones checked on every mesh). Decided from static facts, before a cache exists.
     """
     if cfg.layout != "auto":
         return cfg
@@ -229,9 +229,9 @@ def storage_layout(cfg, *, head_dim: int, num_kv_heads: int = 1, group: int = 1,
         return record
     if name != "auto" or not backends.gpu_available():
         return planar
-    shape = jax.eval_shape(lambda: init_cache(record, batch=1, max_len=record.residual_length
-                                              + 64, num_kv_heads=num_kv_heads,
-                                              head_dim=head_dim))  # fmt: skip
+    shape = jax.eval_shape(lambda: init_cache(  # one record's shapes, for the coverage check
+        record, batch=1, max_len=record.residual_length + 64, num_kv_heads=num_kv_heads,
+        head_dim=head_dim))  # fmt: skip
     return record if backends.choose("decode_attention", shape, group)[0] == "mosaic" else planar
 
 
@@ -258,7 +258,7 @@ def init_cache(
         _check_int(name, val)
     cfg.validate_head_dim(head_dim)
     cfg = storage_layout(cfg, head_dim=head_dim, num_kv_heads=num_kv_heads,
-                                  attention="xla" if attention is None else attention)  # fmt: skip
+                         attention="xla" if attention is None else attention)  # fmt: skip
     if not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
         raise ValueError(f"{dtype=} must be a floating dtype")
     b, h, d = batch, num_kv_heads, head_dim
