@@ -201,7 +201,7 @@ def run_shape(b, ctx, args, log):
         try:
             res[mos_name] = dict(ms=T(f, ops) * 1e3, bytes=mbytes, opts=args.mosaic)
             if args.check:
-                ref = oj.decode_attention(q, ops[-1]).astype(jnp.float32)
+                ref = oj.decode_attention(q, ops[-1], implementation="xla").astype(jnp.float32)
                 out = f(q, *ops).astype(jnp.float32)
                 res[mos_name]["max_rel"] = float(
                     jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
