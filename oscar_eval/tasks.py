@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+import oscar_jax as oj
 from models.model import CausalLM
 from oscar_eval import chat, sinks
 from oscar_eval import niah as eval_niah
@@ -318,10 +319,14 @@ def _json_default(x):
 
 
 def int2_variants(methods):
-    """Each quantized method of the list at 2 bits (names kept when already 2-bit), in order."""
+    """Each quantized method of the list at 2 bits (names kept when already 2-bit), in order.
+
+    Only the library's own quantizers (a ``KVQuantConfig``): the key error is measured with
+    ``oscar_jax.fake_quant_keys``; the comparison methods (``oscar_eval.methods``) quantize
+    keys in their own ways and are measured by the perplexity and needle tasks."""
     out, seen = [], set()
     for mt in methods:
-        if not mt.quantized:
+        if not mt.quantized or not isinstance(mt.kv, oj.KVQuantConfig):
             continue
         name = mt.name if mt.kv.bits == 2 else mt.name.replace(f"{mt.kv.bits}", "2", 1)
         if name not in seen:

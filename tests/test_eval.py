@@ -250,6 +250,15 @@ def test_tni_summary_and_int2_key_error_on_planted_sinks():
     assert by["kivi2"]["sink_key_rel_err"] > 0.5 > 0.3 > by["oscar2"]["sink_key_rel_err"]
 
 
+def test_key_error_task_names_only_the_librarys_quantizers():
+    """The tni task's key error runs ``fake_quant_keys``; a comparison method (its own
+    quantizer) is left to the perplexity and needle tasks instead of failing the run."""
+    from oscar_eval.tasks import int2_variants
+
+    got = [mt.name for mt in int2_variants(parse_methods("bf16,kivi4,oscarb2,oscar2,kivi2"))]
+    assert got == ["kivi2", "oscar2"]
+
+
 def test_programs_compiled_ahead_are_the_ones_called(tiny, caplog):
     """``nll_program`` / ``generate_program`` / ``key_err_program`` compile what the later
     calls run: those calls compile nothing more (else the evaluation compiles twice)."""
