@@ -302,8 +302,8 @@ class TestMosaicGPU:
     @pytest.mark.parametrize(
         "lengths,g,param_dtype,kw",
         [
-            ([4000, 0, 150], 4, "float16", dict()),  # values rotated: the merge in XLA
-            ([2080, 1999], 7, "bfloat16", dict(rotate_values=False)),  # second Mosaic launch
+            ([4000, 0, 150], 4, "float16", dict()),  # values rotated (XLA merge)
+            ([2080, 1999], 7, "bfloat16", dict(rotate_values=False)),  # values unrotated
             ([3100, 640, 33], 3, "float16", dict(rotate_values=False, norm_granularity=PT)),
             ([1234, 2900], 8, "bfloat16", dict(norm_granularity=PT)),
         ],
