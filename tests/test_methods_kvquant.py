@@ -107,3 +107,42 @@ def test_needs_rope_and_a_fit_and_counts_its_bytes():
     assert M.bytes_per_token(dense, 64)["total"] == 48.0
     abl = M.parse_name("kvquant2_uni1_post1")
     assert abl.uniform and not abl.pre_rope and M.parse_name("kvquant2").pre_rope
+
+
+def test_weighted_lloyd_takes_each_cells_weighted_mean_and_refuses_bad_weights():
+    x = np.array([0.0, 0.0, 1.0, 1.0])
+    np.testing.assert_allclose(kvquant.lloyd(x, 1, weights=[1, 1, 3, 3]), [0.75])
+    np.testing.assert_allclose(kvquant.lloyd(x, 1), [0.5])
+    for bad in ([1, 1, 1], [1, -1, 1, 1], [0, 0, 0, 0], [1, np.nan, 1, 1]):
+        with pytest.raises(ValueError, match="weights"):
+            kvquant.lloyd(x, 1, weights=bad)
+
+
+def test_fisher_fit_lowers_the_fisher_weighted_error_and_needs_gradients():
+    """The Fisher-weighted codebook beats the plain one on the objective it minimises,
+    sum grad^2 scale^2 (u - Q(u))^2 over the entries (here the values of one layer)."""
+    k, v = _kv((2, 2, 64, 32), seed=3)
+    rng = np.random.default_rng(1)
+    gv = jnp.asarray(
+        rng.standard_cauchy(v.shape) * (np.arange(32) < 4), jnp.float32
+    )  # few channels
+    gk = jnp.asarray(rng.normal(size=k.shape), jnp.float32)
+    kl, vl, rope = k[None], v[None], _rope(64, 32)
+    with pytest.raises(ValueError, match="grads"):
+        M.parse_name("kvquant2").replace(fisher=True).fit(kl, vl, rope)
+    plain = M.parse_name("kvquant2").fit(kl, vl, rope)
+    fish = (
+        M.parse_name("kvquant2").replace(fisher=True).fit(kl, vl, rope, grads=(gk[None], gv[None]))
+    )
+    u, out, _ = jax.jit(plain._values)(v)
+    w = kvquant.entry_weights(v, gv, out, -1, 32, "float16")
+    keep = ~np.asarray(out)
+
+    def obj(cfg):
+        lv = jnp.asarray(cfg.calibration.arrays["v_levels"][0])
+        return float(jnp.sum((w * (kvquant.codebook_round(u, lv) - u) ** 2)[keep]))
+
+    assert obj(fish) < obj(plain)
+    assert not np.allclose(
+        fish.calibration.arrays["k_levels"], plain.calibration.arrays["k_levels"]
+    )

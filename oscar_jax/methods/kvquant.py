@@ -10,8 +10,11 @@
 - **Non-uniform codebook** (``nuq``): each group is normalised to [0, 1] by its min and
   max, and every entry is rounded to the nearest of 2^b levels, one codebook per layer
   for keys and one for values, fitted by k-means (Lloyd) on the normalised entries of
-  calibration windows (``fit``). KVQuant weights k-means by Fisher information; this is
-  plain (unweighted) k-means.
+  calibration windows (``fit``): plain (unweighted) k-means, or with ``fisher`` KVQuant's
+  sensitivity-weighted k-means: each entry weighted by its diagonal Fisher information
+  (the squared gradient of the calibration loss with respect to it, pre-RoPE for keys)
+  times its group's squared scale, so that the fit minimises sum F (x - Q(x))^2 in the
+  entry's own units (``oscar_eval.fisher`` computes the gradients).
 - **Dense-and-sparse outliers**: per vector, the entries furthest from their group's
   mean (in units of the group's standard deviation) are kept in fp16 with their index,
   left out of the min / max: ``k_outliers`` per key group of G x D entries (default 20
@@ -73,18 +76,22 @@ def codebook_round(u: Array, levels: Float[Array, " L"]) -> Array:
     return levels[jnp.argmin(jnp.abs(u[..., None] - levels), axis=-1)]
 
 
-def lloyd(samples: np.ndarray, n: int, iters: int = 60) -> np.ndarray:
-    """k-means (Lloyd) in 1-D: ``n`` ascending levels (float64) minimising the squared
-    error of rounding ``samples`` to the nearest; initialised at the quantiles."""
-    x = np.sort(np.asarray(samples, np.float64).ravel())
+def lloyd(samples: np.ndarray, n: int, iters: int = 60, weights=None) -> np.ndarray:
+    """k-means (Lloyd) in 1-D: ``n`` ascending levels (float64) minimising the (weighted)
+    squared error of rounding ``samples`` to the nearest; initialised at the quantiles.
+    ``weights`` (>= 0, the samples' shape): each level is its cell's weighted mean."""
+    x = np.asarray(samples, np.float64).ravel()
     if x.size < n:
         raise ValueError(f"{x.size} samples cannot fit {n} levels")
+    w = np.ones_like(x) if weights is None else np.asarray(weights, np.float64).ravel()
+    if w.shape != x.shape or not np.all(np.isfinite(w)) or np.any(w < 0) or not w.sum() > 0:
+        raise ValueError(f"weights must be finite, >= 0, not all 0, one per sample ({x.size})")
     lv = np.quantile(x, (np.arange(n) + 0.5) / n)
     for _ in range(iters):
         idx = np.searchsorted((lv[:-1] + lv[1:]) / 2, x)  # nearest level of each sample
-        cnt = np.bincount(idx, minlength=n)
-        tot = np.bincount(idx, weights=x, minlength=n)
-        lv = np.where(cnt > 0, tot / np.maximum(cnt, 1), lv)  # an empty cell keeps its level
+        cnt = np.bincount(idx, weights=w, minlength=n)
+        tot = np.bincount(idx, weights=x * w, minlength=n)
+        lv = np.where(cnt > 0, tot / np.where(cnt > 0, cnt, 1), lv)  # an empty cell keeps its level
     return np.sort(lv)
 
 
@@ -142,15 +149,30 @@ def values_dense_and_sparse(
 def fit_codebooks(layers, bits: int, seed: int = 0) -> base.Calibration:
     """Per-layer codebooks ``k_levels``, ``v_levels`` [L, 2^b]: k-means (``lloyd``) on up
     to 200,000 sampled normalised non-outlier entries. ``layers`` yields, per layer, the
-    (u, out) of its keys and of its values (as ``keys_dense_and_sparse`` gives them)."""
+    (u, out) of its keys and of its values (as ``keys_dense_and_sparse`` gives them), or
+    (u, out, weight) for a weighted fit."""
     rng = np.random.default_rng(seed)
     acc: dict[str, list] = {"k_levels": [], "v_levels": []}
     for pair in layers:
-        for name, (u, out) in zip(acc, pair, strict=True):
-            s = np.asarray(u)[~np.asarray(out)]
-            s = rng.choice(s, min(s.size, 200_000), replace=False)
-            acc[name].append(lloyd(s, 1 << bits))
+        for name, (u, out, *w) in zip(acc, pair, strict=True):
+            keep = ~np.asarray(out)
+            s, w = np.asarray(u)[keep], (np.asarray(w[0])[keep] if w else None)
+            pick = rng.choice(s.size, min(s.size, 200_000), replace=False)
+            acc[name].append(lloyd(s[pick], 1 << bits, weights=None if w is None else w[pick]))
     return base.Calibration(**{k: np.stack(a) for k, a in acc.items()})
+
+
+def entry_weights(
+    x: Float[Array, "B H T D"], grad: Float[Array, "B H T D"], out: Bool[Array, "B H T D"],
+    axis: int, group: int, param_dtype: str,
+) -> Array:  # fmt: skip
+    """grad^2 x scale^2 per entry: the diagonal Fisher information of ``x`` in the
+    normalised units the codebook is fitted in (scale: its group's max - min over the
+    non-outliers; groups of ``group`` along ``axis``, -2 tokens or -1 channels)."""
+    b, h, t, d = x.shape
+    shape = (b, h, t // group, group, d) if axis == -2 else (b, h, t, d // group, group)
+    _, s, _ = normalise(x.reshape(shape), out.reshape(shape), axis, param_dtype)
+    return (jnp.square(grad.reshape(shape)) * jnp.square(s)).reshape(b, h, t, d)
 
 
 def outlier_bytes(
@@ -175,6 +197,7 @@ class KVQuant(base.MethodConfig):
     outlier_dtype: str = "float16"
     uniform: bool = False  # ablation: KIVI's uniform levels instead of the fitted codebook
     pre_rope: bool = True  # ablation: False quantizes the post-RoPE keys
+    fisher: bool = False  # k-means weighted by Fisher information (``fit``'s ``grads``)
 
     needs_rope = True
     needs_calibration = True
@@ -215,22 +238,51 @@ class KVQuant(base.MethodConfig):
         _, _, vh = self._values(v.astype(jnp.float32), jnp.asarray(st["v_levels"], jnp.float32))
         return (base.rope_rotate(kph, cos, sin) if self.pre_rope else kph), vh
 
-    def fit(self, k, v, rope, key_offset=None) -> KVQuant:
+    @property
+    def needs_grads(self) -> bool:
+        """``fit`` wants the calibration loss's gradients (``oscar_eval.fisher``)."""
+        return self.fisher
+
+    def fit(self, k, v, rope, key_offset=None, grads=None) -> KVQuant:
         """Per-layer codebooks (``k_levels``, ``v_levels`` [L, 2^b]) by k-means on the
-        normalised non-outlier entries of the calibration keys (pre-RoPE) and values."""
+        normalised non-outlier entries of the calibration keys (pre-RoPE) and values.
+
+        k, v [L, N, H, T, D]; ``grads``: (dL/dk, dL/dv) of the calibration loss in that
+        layout (post-RoPE keys), required with ``fisher``: the k-means weights."""
+        if self.fisher and grads is None:
+            raise ValueError("fisher=True: fit needs grads=(dL/dk, dL/dv) (oscar_eval.fisher)")
         cos, sin = (jnp.asarray(x, jnp.float32) for x in rope)
         unrope = (
             (lambda x, c, s: base.rope_rotate(x, c, s, inverse=True))
             if self.pre_rope
             else (lambda x, c, s: x)
         )
-        keys = jax.jit(lambda x, c, s: self._keys(unrope(x, c, s))[:2])
-        values = jax.jit(lambda x: self._values(x)[:2])
+        vgroup, kgroup = min(self.group_size, np.shape(v)[-1]), self.group_size
+        pdt = self.param_dtype
+
+        @jax.jit
+        def keys(x, c, s, gk):
+            kp = unrope(x, c, s)
+            u, out, _ = self._keys(kp)
+            if gk is None:
+                return u, out
+            return u, out, entry_weights(kp, unrope(gk, c, s), out, -2, kgroup, pdt)
+
+        @jax.jit
+        def values(x, gv):
+            u, out, _ = self._values(x)
+            return (u, out) if gv is None else (u, out, entry_weights(x, gv, out, -1, vgroup, pdt))
 
         def layers():
-            for kk, vv in zip(np.asarray(k), np.asarray(v), strict=True):  # [N, H, T, D]
-                t = kk.shape[2] - kk.shape[2] % self.group_size
-                yield keys(jnp.asarray(kk[:, :, :t]), cos[:t], sin[:t]), values(vv[:, :, :t])
+            gks, gvs = (None, None) if not self.fisher else (np.asarray(a) for a in grads)
+            for i, (kk, vv) in enumerate(zip(np.asarray(k), np.asarray(v), strict=True)):
+                t = kk.shape[2] - kk.shape[2] % self.group_size  # [N, H, T, D]
+                gk = None if gks is None else jnp.asarray(gks[i][:, :, :t])
+                gv = None if gvs is None else jnp.asarray(gvs[i][:, :, :t])
+                yield (
+                    keys(jnp.asarray(kk[:, :, :t]), cos[:t], sin[:t], gk),
+                    values(vv[:, :, :t], gv),
+                )
 
         return self.replace(calibration=fit_codebooks(layers(), self.bits))
 
