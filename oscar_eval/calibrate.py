@@ -2,8 +2,10 @@
 (``MethodConfig.needs_calibration``: KVQuant-style codebooks, the calibrated rotation).
 
 ``layer_kv`` runs the model at full precision over calibration windows and returns every
-layer's keys (post-RoPE, as the cache gets them) and values; ``calibrate`` fits each such
-method on them. The evaluation calibrates on the windows of the held-out text that
+layer's keys (post-RoPE, as the cache gets them) and values (``layer_kv_stats``: also the
+per-KV-head second moments of the queries and attention outputs, for the methods with
+``needs_queries``, which ``fit`` gets as ``query_cov`` / ``output_cov``); ``calibrate``
+fits each such method on them. The evaluation calibrates on the windows of the held-out text that
 follow the scored ones (``calibration_windows``): disjoint from what is scored;
 ``calibrate_heldout`` is that step, shared by the evaluation and
 ``benchmarks/methods_needle.py``.
@@ -26,17 +28,38 @@ from oscar_jax import methods as oscar_methods
 CALIBRATION_WINDOWS = 2  # windows of the evaluation's ctx, after the scored ones
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _layer_kv_jit(mc: ModelConfig, params, ids):
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _layer_kv_jit(mc: ModelConfig, params, ids, stats: bool = False):
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
     def step(x, lp):
-        x, (k, v) = layers.block(mc, lp, x, positions, layers.causal_attention)
-        return x, (k.astype(jnp.float32), v.astype(jnp.float32))
+        seen = {}
 
-    _, (ks, vs) = jax.lax.scan(step, layers.embed(params, ids, mc), params["layers"])
-    return jnp.swapaxes(ks, 2, 3), jnp.swapaxes(vs, 2, 3)  # [L, N, H, T, D]
+        def attend(q, k, v):
+            o = layers.causal_attention(q, k, v)
+            seen["q"], seen["o"] = q, o
+            return o
+
+        x, (k, v) = layers.block(mc, lp, x, positions, attend)
+        kv = (k.astype(jnp.float32), v.astype(jnp.float32))
+        if not stats:
+            return x, kv
+        return x, (*kv, *(_group_second_moment(seen[n], mc.num_kv_heads) for n in "qo"))
+
+    _, outs = jax.lax.scan(step, layers.embed(params, ids, mc), params["layers"])
+    kv = tuple(jnp.swapaxes(a, 2, 3) for a in outs[:2])  # [L, N, H, T, D]
+    return kv + tuple(outs[2:])
+
+
+def _group_second_moment(x, num_kv_heads: int):
+    """[H, D, D]: E[x x^T] over batch, tokens and the query heads of each KV head's group
+    of x [B, T, Hq, D] (float32)."""
+    b, t, hq, d = x.shape
+    xg = x.astype(jnp.float32).reshape(b, t, num_kv_heads, hq // num_kv_heads, d)
+    return jnp.einsum("bthgd,bthge->hde", xg, xg, precision=jax.lax.Precision.HIGHEST) / (
+        b * t * (hq // num_kv_heads)
+    )
 
 
 def layer_kv(m: CausalLM, windows) -> tuple[np.ndarray, np.ndarray]:
@@ -46,6 +69,17 @@ def layer_kv(m: CausalLM, windows) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
     k, v = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)))
     return np.asarray(k), np.asarray(v)
+
+
+def layer_kv_stats(m: CausalLM, windows) -> tuple[np.ndarray, ...]:
+    """``layer_kv``'s keys and values, and per layer and KV head the second moments
+    [L, Hkv, D, D] of the queries (post-RoPE) and of the attention outputs
+    ``softmax(q k^T) v`` (before W_O) of its query group, float32, taken inside the jit
+    (the queries themselves are not kept): what a method with ``needs_queries`` fits on."""
+    if m.config.local_layers:
+        raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
+    out = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)), True)
+    return tuple(np.asarray(a) for a in out)
 
 
 def calibration_windows(heldout, ctx: int, scored: int, bos: int | None) -> np.ndarray:
@@ -64,7 +98,13 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
     if not any(getattr(mt.kv, "needs_calibration", False) for mt in methods):
         return list(methods)
     mc = m.config
-    k, v = layer_kv(m, windows)
+    fitted = [mt.kv for mt in methods if getattr(mt.kv, "needs_calibration", False)]
+    stats = None
+    if any(getattr(kv, "needs_queries", False) for kv in fitted):
+        k, v, cq, co = layer_kv_stats(m, windows)
+        stats = {"query_cov": cq, "output_cov": co}
+    else:
+        k, v = layer_kv(m, windows)
     t = k.shape[3]
     cos, sin = layers.rope_cos_sin(mc, jnp.arange(t, dtype=jnp.int32))
     off = None
@@ -77,7 +117,8 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
     for mt in methods:
         if getattr(mt.kv, "needs_calibration", False):
             o = off if mt.kv.needs_key_bias else None
-            mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o))
+            extra = stats if getattr(mt.kv, "needs_queries", False) else {}
+            mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o, **extra))
         out.append(mt)
     return out
 

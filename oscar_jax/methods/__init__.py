@@ -25,6 +25,12 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
                         per-layer k-means levels, calibrated)
     turboq{b}           TurboQuant_prod: (b-1)-bit turbo + 1-bit QJL residual for keys,
                         with the k-bias offset (``turbo``)
+    qcov{b}             the *other* OSCAR (arXiv 2605.17757): keys rotated by the query
+                        covariance's eigenvectors, values by the attention output's, then
+                        Hadamard + bit reversal; token-wise INT-b with fitted clipping,
+                        BF16 sinks (``qcov``; calibrated, wants queries; _sink{S}: sink
+                        tokens, default 64; _c{C}: channels per token group, default 128;
+                        _u0: ablation without the eigenbases, Hadamard + bit reversal)
 
 each optionally followed by ``_r{R}`` / ``_g{G}`` (residual length, group size).
 ``bytes_per_token(cfg, head_dim)`` accounts every stored part.
@@ -44,6 +50,7 @@ from oscar_jax.methods.dynamic import OscarDynamic
 from oscar_jax.methods.group_mean import OscarGroupMean
 from oscar_jax.methods.kvquant import KVQuant
 from oscar_jax.methods.ott import OTT
+from oscar_jax.methods.qcov import QCov
 from oscar_jax.methods.rotation import OscarRotation
 from oscar_jax.methods.sinks import KiviSinks
 from oscar_jax.methods.turbo import TurboQuant, TurboQuantBias, TurboQuantProd, lloyd_max_gaussian
@@ -62,9 +69,10 @@ FAMILIES = {
     "oscaro": lambda **kw: OscarRotation(rotation="random_orthogonal", **kw),
     "oscard": OscarDynamic,
     "turboq": TurboQuantProd,
+    "qcov": QCov,
 }
 _NAME = re.compile(
-    r"^(oscarbo|oscarb|oscarm|ott|turbob|turboq|turbo|oscarc|kivi|kvquant|oscarp|oscaro|oscard)"
+    r"^(oscarbo|oscarb|oscarm|ott|turbob|turboq|turbo|oscarc|kivi|kvquant|oscarp|oscaro|oscard|qcov)"
     r"(\d+)"
     r"((?:_[a-z]+\d+)*)$"
 )
@@ -72,7 +80,7 @@ _NAME = re.compile(
 
 _OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
              "kvquant": ", ko<N>, vo<N>, uni1, post1",
-             "oscarbo": ", ko<N>, vo<N>, nuq1"}  # fmt: skip
+             "oscarbo": ", ko<N>, vo<N>, nuq1", "qcov": ", sink<S>, c<C>, u0"}  # fmt: skip
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -101,6 +109,11 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
             kw["uniform"] = bool(sufs.pop("uni"))
         if "post" in sufs:
             kw["pre_rope"] = not sufs.pop("post")
+    if fam == "qcov":  # sink tokens, channels per token-wise group, ablation u0
+        kw.update({f: sufs.pop(s) for s, f in (("sink", "sinks"), ("c", "channel_group"))
+                   if s in sufs})  # fmt: skip
+        if "u" in sufs:
+            kw["spectral"] = bool(sufs.pop("u"))
     if fam == "oscarbo" and "nuq" in sufs:  # fitted (k-means) levels
         kw["fitted_levels"] = bool(sufs.pop("nuq"))
     if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)
@@ -142,6 +155,6 @@ __all__ = [
     "OTT", "FAMILIES", "KiviSinks", "MethodConfig", "OscarBias", "OscarCompact",
     "OscarBiasOutliers", "OscarGroupMean", "TurboQuant", "TurboQuantBias", "bytes_per_token",
     "lloyd_max_gaussian",
-    "KVQuant", "OscarRotation", "OscarDynamic", "TurboQuantProd",
+    "KVQuant", "OscarRotation", "OscarDynamic", "TurboQuantProd", "QCov",
     "masked_group_fake_quant", "parse_name", "rope_key_offset", "shared_exponent_norms",
 ]  # fmt: skip
