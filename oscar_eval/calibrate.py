@@ -1,5 +1,6 @@
 """Offline calibration of the comparison methods that fit per-layer state
-(``MethodConfig.needs_calibration``: KVQuant-style codebooks, the calibrated rotation).
+(``MethodConfig.needs_calibration``: KVQuant-style codebooks, Fisher-weighted with
+``needs_grads``, the calibrated rotation).
 
 ``layer_kv`` runs the model at full precision over calibration windows and returns every
 layer's keys (post-RoPE, as the cache gets them) and values (``layer_kv_stats``: also the
@@ -23,6 +24,7 @@ from models import layers
 from models.config import ModelConfig
 from models.model import CausalLM
 from oscar_eval.common import Method, make_windows
+from oscar_eval.fisher import layer_grads
 from oscar_jax import methods as oscar_methods
 
 CALIBRATION_WINDOWS = 2  # windows of the evaluation's ctx, after the scored ones
@@ -113,11 +115,16 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
         off = np.stack(
             [np.asarray(oscar_methods.rope_key_offset(b, cos, sin, mc.num_kv_heads)) for b in bk]
         )  # fmt: skip  [L, T, H, D]
+    grads = None
+    if any(getattr(kv, "needs_grads", False) for kv in fitted):
+        grads = layer_grads(m, windows)
     out = []
     for mt in methods:
         if getattr(mt.kv, "needs_calibration", False):
             o = off if mt.kv.needs_key_bias else None
             extra = stats if getattr(mt.kv, "needs_queries", False) else {}
+            if getattr(mt.kv, "needs_grads", False):
+                extra = {**extra, "grads": grads}
             mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o, **extra))
         out.append(mt)
     return out

@@ -18,3 +18,18 @@ def test_layer_grads_are_zero_exactly_where_no_scored_prediction_reads(tiny):
     assert np.all(gk[:, :, :, -1] == 0) and np.all(gv[:, :, :, -1] == 0)
     assert np.all(np.abs(gk[:, :, :, :-1]).max(axis=(0, 2, 4)) > 0)
     assert np.all(np.abs(gv[:, :, :, :-1]).max(axis=(0, 2, 4)) > 0)
+
+
+def test_calibrate_hands_gradients_only_to_the_fisher_method(tiny):
+    from oscar_eval import calibrate as ecal
+    from oscar_eval.common import parse_method
+
+    ids = np.random.default_rng(1).integers(0, tiny.config.vocab_size, (2, 64))
+    plain, fisher = ecal.calibrate(
+        tiny, [parse_method(n, 16, 16) for n in ("kvquant2", "kvquant2_fisher1")], ids
+    )
+    assert not plain.kv.fisher and fisher.kv.fisher
+    for name in ("k_levels", "v_levels"):
+        a, b = plain.kv.calibration.arrays[name], fisher.kv.calibration.arrays[name]
+        assert a.shape == b.shape == (tiny.config.num_layers, 4)
+        assert np.all(np.diff(b, axis=1) > 0) and not np.allclose(a, b)

@@ -14,7 +14,8 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
     kvquant{b}          pre-RoPE per-channel keys, per-layer k-means codebook, fp16
                         dense-and-sparse outliers (``kvquant``; calibrated; _ko{N} /
                         _vo{N}: outliers per key group / value token, default 20 / 1;
-                        ablations _uni1: uniform levels, _post1: post-RoPE keys)
+                        ablations _uni1: uniform levels, _post1: post-RoPE keys;
+                        _fisher1: the codebooks' k-means weighted by Fisher information)
     oscarp{b}           oscarb under a per-layer PCA-then-Hadamard rotation (B, ``rotation``;
                         calibrated); oscaro{b}: a random orthogonal one instead
     oscard{b}_p{P}_t{X} oscarb whose full-precision window keeps up to P groups of TNI
@@ -30,7 +31,8 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
                         Hadamard + bit reversal; token-wise INT-b with fitted clipping,
                         BF16 sinks (``qcov``; calibrated, wants queries; _sink{S}: sink
                         tokens, default 64; _c{C}: channels per token group, default 128;
-                        _u0: ablation without the eigenbases, Hadamard + bit reversal)
+                        _u0: ablation without the eigenbases, Hadamard + bit reversal;
+                        _b1: the RoPE'd k bias taken out first, as oscarb)
 
 each optionally followed by ``_r{R}`` / ``_g{G}`` (residual length, group size).
 ``bytes_per_token(cfg, head_dim)`` accounts every stored part.
@@ -79,8 +81,8 @@ _NAME = re.compile(
 
 
 _OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
-             "kvquant": ", ko<N>, vo<N>, uni1, post1",
-             "oscarbo": ", ko<N>, vo<N>, nuq1", "qcov": ", sink<S>, c<C>, u0"}  # fmt: skip
+             "kvquant": ", ko<N>, vo<N>, uni1, post1, fisher1",
+             "oscarbo": ", ko<N>, vo<N>, nuq1", "qcov": ", sink<S>, c<C>, u0, b1"}  # fmt: skip
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -109,11 +111,15 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
             kw["uniform"] = bool(sufs.pop("uni"))
         if "post" in sufs:
             kw["pre_rope"] = not sufs.pop("post")
+        if "fisher" in sufs:  # KVQuant's sensitivity-weighted k-means
+            kw["fisher"] = bool(sufs.pop("fisher"))
     if fam == "qcov":  # sink tokens, channels per token-wise group, ablation u0
         kw.update({f: sufs.pop(s) for s, f in (("sink", "sinks"), ("c", "channel_group"))
                    if s in sufs})  # fmt: skip
         if "u" in sufs:
             kw["spectral"] = bool(sufs.pop("u"))
+        if "b" in sufs:
+            kw["bias_offset"] = bool(sufs.pop("b"))
     if fam == "oscarbo" and "nuq" in sufs:  # fitted (k-means) levels
         kw["fitted_levels"] = bool(sufs.pop("nuq"))
     if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)
