@@ -126,6 +126,23 @@ def test_sinks_exact_rest_quantized_and_shapes_checked():
         parse_method("qcov2").kv.fake_quant_kv(kk, vv)
 
 
+def test_bias_offset_takes_the_rope_bias_out_and_only_then_wants_it():
+    rng = np.random.default_rng(5)
+    k, v, cq = _anisotropic(rng, n=1, t=64)
+    off = 40.0 * rng.standard_normal((1, 64, 1, 32))  # [L, T, H, D]: a large RoPE'd bias
+    kb = k + np.swapaxes(off, 1, 2)[:, None]
+    assert not parse_method("qcov2").kv.needs_key_bias
+    errs = []
+    for name in ("qcov2_sink0", "qcov2_sink0_b1"):
+        cfg = parse_method(name, 16, 16).kv
+        cfg = cfg.fit(kb, v, None, off if cfg.needs_key_bias else None, query_cov=cq)
+        kk, vv = (jnp.asarray(x[0], jnp.float32) for x in (kb, v))
+        kh, _ = cfg.fake_quant_kv(kk, vv, jnp.asarray(off[0], jnp.float32),
+                                  state=cfg.calibrated_state(0))  # fmt: skip
+        errs.append(_score_err(kh, kb[0], cq[0, 0]))
+    assert errs[1] < 0.05 * errs[0], errs
+
+
 def test_token_fake_quant_per_group_and_clip():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((3, 16)), jnp.float32)
     out = qcov.token_fake_quant(x, 2, 8, jnp.ones((3, 1)), "float32")
@@ -159,8 +176,9 @@ def test_name_parses_and_bad_suffixes_raise_naming_the_value():
     assert (cfg.bits, cfg.sinks, cfg.channel_group, cfg.residual_length, cfg.group_size) == (
         3, 4, 32, 64, 16)  # fmt: skip
     assert not om.parse_name("qcov2_u0").spectral and om.parse_name("qcov2_u1").spectral
+    assert om.parse_name("qcov2_b1").bias_offset and om.parse_name("qcov2_b1").needs_key_bias
     assert om.FAMILIES["qcov"] is om.QCov and om.parse_name("kivi2") is None
-    with pytest.raises(ValueError, match=r"qcov2_n3.*\['n'\].*sink<S>, c<C>, u0"):
+    with pytest.raises(ValueError, match=r"qcov2_n3.*\['n'\].*sink<S>, c<C>, u0, b1"):
         om.parse_name("qcov2_n3")
     with pytest.raises(ValueError, match="channel_group=24"):
         om.parse_name("qcov2_c24")
@@ -170,6 +188,8 @@ def test_name_parses_and_bad_suffixes_raise_naming_the_value():
         om.QCov(sinks=-1)
     with pytest.raises(ValueError, match="spectral=2"):
         om.QCov(spectral=2)
+    with pytest.raises(ValueError, match="bias_offset=1"):
+        om.QCov(bias_offset=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,10 +211,13 @@ def test_calibration_hands_query_statistics_only_to_methods_that_need_them():
     spy = Method("spy", _Spy())
     assert ecal.calibrate(m, [spy], cal)[0].kv.seen == ()  # no query pass at all
     mts = ecal.calibrate(m, [spy, parse_method("qcov2_sink4", 16, 16),
-                             parse_method("oscarp2", 16, 16)], cal)  # fmt: skip
+                             parse_method("oscarp2", 16, 16),
+                             parse_method("qcov2_sink4_b1", 16, 16)], cal)  # fmt: skip
     assert mts[0].kv.seen == ()  # oscarp's fit (no **kw) would raise if handed any
     assert mts[1].kv.calibration.arrays["rot_k"].shape == (2, 2, 32, 32)
     assert mts[2].kv.calibration.arrays["rotation"].shape == (2, 2, 32, 32)
+    a, b = (mts[i].kv.calibration.arrays for i in (1, 3))  # same statistics, bias out
+    np.testing.assert_array_equal(a["rot_k"], b["rot_k"])
     # the statistics are the second moments of layer 0's real queries and outputs
     k, v, cq, co = ecal.layer_kv_stats(m, cal)
     k0, v0 = ecal.layer_kv(m, cal)

@@ -32,6 +32,8 @@ D x D Hadamard (then ``P`` only reorders equally loaded channels, and with one g
 token, ``channel_group >= D``, it changes nothing); the second moments are uncentred
 and the query group's heads are pooled per KV head; fp16 scale and zero; R = 128 recent
 tokens here (the library's window, as the other methods: ``_r{R}`` sets it).
+``_u0`` (ablation: no eigenbases, only ``H P``) and ``_b1`` (the RoPE'd k bias taken
+out before quantizing, as ``oscarb``) are ours, not the paper's.
 
 Bytes per token per KV head: K and V codes (b D / 8 each), K and V scale + zero per
 token per channel group (2 x 2 x param bytes x D / channel_group), and the sink tokens'
@@ -118,11 +120,14 @@ class QCov(base.MethodConfig):
     """arXiv 2605.17757's OSCAR: query-covariance key rotation (score-weighted value
     covariance for values) + Hadamard + bit reversal, token-wise INT-b with fitted clipping
     ratios, BF16 sinks. ``channel_group``: channels per token-wise group (clamped to D);
-    ``spectral=False``: the ablation without the eigenbases (Hadamard + bit reversal)."""
+    ``spectral=False``: the ablation without the eigenbases (Hadamard + bit reversal);
+    ``bias_offset``: keys quantized minus the k bias's RoPE'd part, added back (as
+    ``oscarb``; zero bytes, known from the weights) -- a diagnostic, not the paper's."""
 
     sinks: int = 64
     channel_group: int = 128
     spectral: bool = True  # False (ablation ``_u0``): no U_Q / U_S, only H P (clip fitted)
+    bias_offset: bool = False  # True (``_b1``, ours, not the paper's): RoPE'd k bias out
 
     needs_calibration = True
     needs_queries = True  # ``fit`` wants query_cov / output_cov (oscar_eval.calibrate)
@@ -133,8 +138,13 @@ class QCov(base.MethodConfig):
         base._int("channel_group", self.channel_group, 1)
         if self.channel_group & (self.channel_group - 1):
             raise ValueError(f"channel_group={self.channel_group!r} must be a power of two")
-        if not isinstance(self.spectral, bool):
-            raise ValueError(f"spectral={self.spectral!r} must be a bool")
+        for name in ("spectral", "bias_offset"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
+
+    @property
+    def needs_key_bias(self) -> bool:  # the evaluation hands key_offset only then
+        return self.bias_offset
 
     def _cg(self, d: int) -> int:
         return min(self.channel_group, d)
@@ -156,7 +166,10 @@ class QCov(base.MethodConfig):
             raise ValueError(f"rot_k / rot_v shapes {rk.shape} / {rv.shape} must be [H, D, D] "
                              f"of k {k.shape}")  # fmt: skip
         ck, cv = jnp.asarray(st["clip_k"]), jnp.asarray(st["clip_v"])
-        kh = rotated_fake_quant(k, rk, ck, self.bits, self._cg(d), self.param_dtype)
+        off = 0.0
+        if self.bias_offset and key_offset is not None:
+            off = jnp.swapaxes(key_offset.astype(jnp.float32), 0, 1)[None]  # [1, H, T, D]
+        kh = rotated_fake_quant(k - off, rk, ck, self.bits, self._cg(d), self.param_dtype) + off
         vh = rotated_fake_quant(v, rv, cv, self.bits, self._cg(d), self.param_dtype)
         keep = (jnp.arange(t) < self.sinks)[None, None, :, None]
         kh = jnp.where(keep, base.round_fp(k, self.fp_dtype), kh)
@@ -201,8 +214,11 @@ class QCov(base.MethodConfig):
         rot_k, rot_v = np.zeros((n_l, n_h, d, d)), np.zeros((n_l, n_h, d, d))
         clip_k, clip_v = np.ones((n_l, n_h)), np.ones((n_l, n_h))
         for li in range(n_l):
+            kl = k[li]
+            if self.bias_offset and key_offset is not None:
+                kl = kl - np.swapaxes(np.asarray(key_offset[li], np.float64), 0, 1)[None]
             for h in range(n_h):
-                kx = k[li, :, h, s0:].reshape(-1, d)
+                kx = kl[:, h, s0:].reshape(-1, d)
                 vx = v[li, :, h, s0:].reshape(-1, d)
                 oc = vx.T @ vx / len(vx) if output_cov is None else output_cov[li, h]
                 eye = np.eye(d)
