@@ -114,7 +114,11 @@ def plot(runs: list[dict], png: str, caption: str) -> None:
         fr = sorted((r for r in rows if r["method"] in front), key=lambda r: r["bytes"])
         ax.step([r["bytes"] for r in fr], [r["rel"] for r in fr], where="post", c="C3", lw=1,
                 label="Pareto front")  # fmt: skip
-        ax.set_yscale("log")  # every INT2 method is above bf16 here
+        if min(r["rel"] for r in rows) > 0:
+            ax.set_yscale("log")
+        else:  # a method at or below bf16 (noise of few windows): log would drop it silently
+            ax.set_yscale("symlog", linthresh=1.0)
+            ax.axhline(0.0, c="0.5", lw=0.8)
         ax.set_xlabel(f"bytes per token per KV head (quantized part, head_dim {run['head_dim']})")
         ax.set_ylabel("perplexity over bf16, %")
         ax.set_title(f"{run['model']}: ctx {run['ctx']}, {run['windows']} windows, "
