@@ -24,6 +24,7 @@ from oscar_eval.common import (
     parse_methods,
     wilson,
 )
+from oscar_eval.tasks import int2_variants
 
 T = 64  # three flushes of G = 16 with R = 16: the quantized part is well used
 SMALL = dict(residual_length=16, group_size=16)
@@ -253,8 +254,6 @@ def test_tni_summary_and_int2_key_error_on_planted_sinks():
 def test_key_error_task_names_only_the_librarys_quantizers():
     """The tni task's key error runs ``fake_quant_keys``; a comparison method (its own
     quantizer) is left to the perplexity and needle tasks instead of failing the run."""
-    from oscar_eval.tasks import int2_variants
-
     got = [mt.name for mt in int2_variants(parse_methods("bf16,kivi4,oscarb2,oscar2,kivi2"))]
     assert got == ["kivi2", "oscar2"]
 

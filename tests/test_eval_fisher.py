@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from oscar_eval import calibrate as ecal
+from oscar_eval.common import parse_method
 from oscar_eval.fisher import layer_grads
 
 
@@ -21,9 +23,6 @@ def test_layer_grads_are_zero_exactly_where_no_scored_prediction_reads(tiny):
 
 
 def test_calibrate_hands_gradients_only_to_the_fisher_method(tiny):
-    from oscar_eval import calibrate as ecal
-    from oscar_eval.common import parse_method
-
     ids = np.random.default_rng(1).integers(0, tiny.config.vocab_size, (2, 64))
     plain, fisher = ecal.calibrate(
         tiny, [parse_method(n, 16, 16) for n in ("kvquant2", "kvquant2_fisher1")], ids
