@@ -64,13 +64,17 @@ def _group_second_moment(x, num_kv_heads: int):
     )
 
 
+def _layer_outputs(m: CausalLM, windows, stats: bool) -> tuple[np.ndarray, ...]:
+    if m.config.local_layers:
+        raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
+    out = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)), stats)
+    return tuple(np.asarray(a) for a in out)
+
+
 def layer_kv(m: CausalLM, windows) -> tuple[np.ndarray, np.ndarray]:
     """Keys (post-RoPE) and values [L, N, Hkv, T, D] float32 of every layer, at full
     precision, over the windows [N, T]. Models with sliding-window layers are refused."""
-    if m.config.local_layers:
-        raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
-    k, v = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)))
-    return np.asarray(k), np.asarray(v)
+    return _layer_outputs(m, windows, False)
 
 
 def layer_kv_stats(m: CausalLM, windows) -> tuple[np.ndarray, ...]:
@@ -78,10 +82,7 @@ def layer_kv_stats(m: CausalLM, windows) -> tuple[np.ndarray, ...]:
     [L, Hkv, D, D] of the queries (post-RoPE) and of the attention outputs
     ``softmax(q k^T) v`` (before W_O) of its query group, float32, taken inside the jit
     (the queries themselves are not kept): what a method with ``needs_queries`` fits on."""
-    if m.config.local_layers:
-        raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
-    out = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)), True)
-    return tuple(np.asarray(a) for a in out)
+    return _layer_outputs(m, windows, True)
 
 
 def calibration_windows(heldout, ctx: int, scored: int, bos: int | None) -> np.ndarray:
@@ -101,8 +102,8 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
         return list(methods)
     mc = m.config
     fitted = [mt.kv for mt in methods if getattr(mt.kv, "needs_calibration", False)]
-    stats = None
-    if any(getattr(kv, "needs_queries", False) for kv in fitted):
+    stats = {}
+    if any(kv.needs_queries for kv in fitted):
         k, v, cq, co = layer_kv_stats(m, windows)
         stats = {"query_cov": cq, "output_cov": co}
     else:
@@ -115,16 +116,14 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
         off = np.stack(
             [np.asarray(oscar_methods.rope_key_offset(b, cos, sin, mc.num_kv_heads)) for b in bk]
         )  # fmt: skip  [L, T, H, D]
-    grads = None
-    if any(getattr(kv, "needs_grads", False) for kv in fitted):
-        grads = layer_grads(m, windows)
+    grads = layer_grads(m, windows) if any(kv.needs_grads for kv in fitted) else None
     out = []
     for mt in methods:
-        if getattr(mt.kv, "needs_calibration", False):
+        if getattr(mt.kv, "needs_calibration", False):  # a MethodConfig: its needs_* set
             o = off if mt.kv.needs_key_bias else None
-            extra = stats if getattr(mt.kv, "needs_queries", False) else {}
-            if getattr(mt.kv, "needs_grads", False):
-                extra = {**extra, "grads": grads}
+            extra = dict(stats if mt.kv.needs_queries else {})
+            if mt.kv.needs_grads:
+                extra["grads"] = grads
             mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o, **extra))
         out.append(mt)
     return out

@@ -93,6 +93,7 @@ class MethodConfig:
     needs_rope = False  # True: fake_quant_kv wants rope=(cos, sin) [T, D] of the positions
     needs_calibration = False  # True: ``fit`` on calibration keys / values before use
     needs_queries = False  # True: ``fit`` also wants query_cov / output_cov (calibrate)
+    needs_grads = False  # True: ``fit`` also wants grads, the calibration loss's (calibrate)
 
     def __post_init__(self):
         _int("bits", self.bits, 1)
