@@ -74,7 +74,7 @@ def parse_caches(text: str, default_impl: str) -> list[CacheSpec]:
         else:
             raise ValueError(f"cache={item!r} must be bf16 or oscarN, optionally ':impl'")
         # named, not "auto": the Mosaic kernel reads the record layout, the others planar
-        kv = kv.replace(layout="record" if impl == "mosaic" else "planar")
+        kv = kv.replace(layout="record" if impl.startswith("mosaic") else "planar")
         out.append(CacheSpec(name, kv, impl or default_impl))
     if not out:
         raise ValueError(f"caches={text!r} must name at least one cache")
@@ -98,8 +98,20 @@ def _cudnn_attention(q, cache, *, softmax_scale=None, **options):
     return o[:, 0].astype(q.dtype)
 
 
+def _mosaic_two_launches(q, cache, *, softmax_scale=None, **options):
+    """The "mosaic" backend with its ring and LSE merge in a second Mosaic launch
+    (``merge="mosaic"``) instead of XLA: the two merges timed side by side."""
+    from pallas_kernels.decode.mosaic import decode_attention_mosaic
+
+    return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, merge="mosaic")
+
+
 # attention baselines of the benchmarks, passed to the library as callables
-BASELINES = {"bench_skip": _skip_attention, "cudnn": _cudnn_attention}
+BASELINES = {
+    "bench_skip": _skip_attention,
+    "cudnn": _cudnn_attention,
+    "mosaic2": _mosaic_two_launches,
+}
 
 
 def attention_impl(impl):
