@@ -73,11 +73,11 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     not for speed). The query is rotated in XLA; the ring and the merge: ``merge="xla"`` by
     ``merge_partials_with_ring``, ``"mosaic"`` by the second Mosaic launch
     (``int2_decode_attention_2launch``; values must not be rotated), ``"auto"`` XLA: the
-    second launch gave wrong rows on the H200 at 16-48 rows x 8 KV heads (relative error up
-    to 165 at 48 x 4K; 1 to 8 rows and every GPU test were right) while the partials kernel
-    with the XLA merge was right there, so it is used by name only until it passes the
-    many-row GPU tests (``tests/test_decode_mosaic.py``). NaN for FLAG_NONFINITE rows as
-    the library's attention. ValueError for a cache ``unsupported_reason`` names.
+    merge timed end to end (BENCHMARKS.md). The second launch is right at 16-48 rows x 8 KV
+    heads since its proxy fence between its two pipelines (``tests/test_decode_mosaic.py``,
+    many-row GPU tests); it becomes the default once timed against the XLA merge end to end
+    (``benchmarks.bench_e2e --caches oscar2:mosaic,oscar2:mosaic2``). NaN for FLAG_NONFINITE
+    rows as the library's attention. ValueError for a cache ``unsupported_reason`` names.
     """
     g = att.check_query(q, cache)
     reason = unsupported_reason(cache, g, convert)

@@ -150,8 +150,11 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         )
         m, l_acc, o = ring_pipe(k_ref.at[bi, hi], v_ref.at[bi, hi], mask_ref.at[bi])
         lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
-        # the splits' pipeline reuses the ring pipeline's scoped shared memory and barriers:
-        # no warp may still be in the ring when one thread starts refilling them
+        # The splits' pipeline's first TMA copies (async proxy) land in scoped shared memory
+        # that the ring's pipeline and this cross-warp sum's scratch just used through plain
+        # stores and loads (generic proxy). Without a proxy fence (commit_smem: fence.proxy.async
+        # + barrier) those copies and the earlier stores are unordered: on the H200 some
+        # rows came out wrong at 16-48 rows x 8 heads (several CTAs an SM), right with it.
         plgpu.commit_smem()
 
         def part_body(idxs, a_smem, ml_smem, carry):
@@ -169,8 +172,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
                 cs_b = jax.lax.broadcast_in_dim(cs, (TILE, NPAD), [1])
                 l_new = l_new + ls[u] * cs
                 o = o + plgpu.load(a_smem.at[u], layout=WG) * cs_b
-            # every warp's plain loads of the slot done before one thread's TMA refills it
-            # (the kernel runs without Pallas' automatic barriers)
+            # every warp's plain loads of the slot done, and fenced against the async proxy,
+            # before one thread's TMA refills it (no automatic barriers in this kernel)
             plgpu.commit_smem()
             return m_new, l_new, o
 
