@@ -106,7 +106,14 @@ def mosaic_call(b, ctx, k, v, knobs):
     """The Mosaic GPU INT2 decode call (``pallas_kernels.decode.mosaic``, two launches) over
     an OScaR INT2 cache whose values are stored unrotated, the cache converted to the
     kernel's record layout once, ahead of the timed calls. Returns (fn(q, *operands),
-    operands), bytes read (records + norms of the quantized tokens, the ring)."""
+    operands), bytes read (records + norms of the quantized tokens, the ring). ``knobs``:
+    Int2DecodeConfig fields, and ``merge``: "mosaic" (the second launch, default) or "xla"
+    (the partials kernel + the merge in XLA, the backend's default)."""
+    knobs = dict(knobs)
+    merge = knobs.pop("merge", "mosaic")
+    if merge not in ("mosaic", "xla"):
+        raise ValueError(f"{merge=} must be 'mosaic' or 'xla'")
+    attention = mk.int2_decode_attention_2launch if merge == "mosaic" else mk.int2_decode_attention
     cfg = mk.Int2DecodeConfig(**knobs)
     kcfg = oj.preset("oscar", bits=2, rotate_values=False)
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
@@ -120,8 +127,8 @@ def mosaic_call(b, ctx, k, v, knobs):
         del cache  # the reference of --check
         qg = q.astype(jnp.float32).reshape(b, HKV, HQ // HKV, D)
         q_rot = oj.rotate(qg, kcfg)
-        out = mk.int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, k_res, v_res,
-                                               ring_valid, cfg=cfg, param_dtype=pdt)  # fmt: skip
+        out = attention(qg, q_rot, rec, kn, nq, k_res, v_res, ring_valid, cfg=cfg,
+                        param_dtype=pdt)  # fmt: skip
         return out.reshape(q.shape).astype(q.dtype)
 
     nrec = np.asarray(-(-nq // 64), np.int64)
@@ -336,7 +343,8 @@ def main():
     ap.add_argument("--no-gqa", action="store_true")
     ap.add_argument("--mosaic", type=json.loads, default=None,
                     help="JSON dict of Int2DecodeConfig knobs: also time the Mosaic GPU INT2 "
-                    "kernel (jax >= 0.11.2, Hopper), '{}' for its defaults")  # fmt: skip
+                    "kernel (jax >= 0.11.2, Hopper), '{}' for its defaults; "
+                    "'{\"merge\": \"xla\"}' merges in XLA instead of a second launch")  # fmt: skip
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--gqa-splits", default="8,16,32", help="k_splits tried for Pallas gqa")
     ap.add_argument("--variant-shapes", default="", help="shapes that run all --variants")

@@ -182,3 +182,21 @@ def test_e2e_resume_keeps_done_units(runs, tmp_path):
     done = {k: u for k, u in data["units"].items() if "/mem/" in k or "/lat128k/" in k}
     assert done and all(u["status"] == "ok" and u.get("resumed") for u in done.values())
     assert ": start" not in log  # nothing was run again
+
+
+def test_cache_specs_pick_layout_by_implementation():
+    """Both Mosaic entries ("mosaic": XLA merge, "mosaic2": the second launch) read a record
+    cache; the others a planar one; an unknown cache name is a ValueError."""
+    from benchmarks import e2e_common as ec
+
+    specs = ec.parse_caches("bf16,oscar2:mosaic,oscar2:mosaic2,oscar4", "triton")
+    assert [(s.label, s.kv.layout) for s in specs] == [
+        ("bf16:triton", "planar"),
+        ("oscar2:mosaic", "record"),
+        ("oscar2:mosaic2", "record"),
+        ("oscar4:triton", "planar"),
+    ]
+    assert ec.attention_impl("mosaic2") is ec.BASELINES["mosaic2"]
+    assert ec.attention_impl("triton") == "triton"
+    with pytest.raises(ValueError, match="cache="):
+        ec.parse_caches("kivi2", "xla")
