@@ -139,6 +139,13 @@ def run_eval(
         if heldout is None:
             raise ValueError("tasks ppl / tni / ablations need held-out tokens (--heldout)")
         windows = make_windows(heldout, s.ctx, s.ppl_windows, bos)
+        if s.ppl_windows is not None and len(windows) < s.ppl_windows:
+            note = (
+                f"the held-out text holds {len(windows)} windows of {s.ctx} tokens: "
+                f"perplexity is scored on those, not the {s.ppl_windows} asked for"
+            )
+            res["notes"].append(note)
+            print(f"oscar-jax eval: note: {note}", file=sys.stderr)
         tni_windows = windows[: s.tni_windows]
         key = {"ctx": s.ctx, "cache_dtype": s.cache_dtype, "R": s.residual_length,
                "G": s.group_size, "dtype": m.dtype.name, "score": s.ppl_score,

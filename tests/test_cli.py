@@ -84,6 +84,7 @@ def test_demo_then_eval(tiny_dir, tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().out.strip() == md.strip()
     ppl = {r["method"]: r for r in res["ppl"]}
     assert set(ppl) == {"bf16", "oscar2"} and res["ppl_windows"] == 3
+    assert not [n for n in res["notes"] if "windows of" in n]  # as many as asked for
     for r in ppl.values():
         assert r["ppl_lo"] <= r["ppl"] <= r["ppl_hi"] and r["tokens"] == 3 * 1023
     # bf16 is the plain model up to the bfloat16 storage of K/V: the uncached forward's
@@ -336,3 +337,21 @@ def test_models_without_a_sample_get_the_bundled_text(tiny_dir):
     assert ids[0] == bos and 0 < int(np.sum(ids == bos)) <= n_docs
     assert ids.min() >= 0 and ids.max() < m.config.vocab_size
     assert not np.any((ids[1:] == bos) & (ids[:-1] == bos))  # never two BOS in a row
+
+
+def test_fewer_windows_than_asked_are_noted(tiny_dir, tmp_path, capsys):
+    """--ppl-windows beyond what the held-out text holds scores what there is, and says so
+    (in results.json's notes and on stderr) instead of silently scoring fewer."""
+    ids = np.load(os.path.join(tiny_dir, "heldout_sample.npy"))[:2000]
+    np.save(tmp_path / "h.npy", ids)
+    n = len(make_windows(ids, 256, None, 0))
+    assert 0 < n < 50
+    rc = cli.main(["eval", "--model", tiny_dir, "--heldout", str(tmp_path / "h.npy"),
+                   "--out", str(tmp_path / "o"), "--methods", "bf16", "--tasks", "ppl",
+                   "--ctx", "256", "--ppl-windows", "50", "--quiet"])  # fmt: skip
+    assert rc == 0
+    res = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert res["ppl_windows"] == n
+    note = f"holds {n} windows of 256 tokens: perplexity is scored on those, not the 50"
+    assert any(note in x for x in res["notes"])
+    assert note in capsys.readouterr().err
