@@ -28,6 +28,7 @@ from models import layers
 from models import sharding as msh
 from models.config import ModelConfig, llama31_8b, qwen3_8b
 from oscar_jax import sharding as osh
+from pallas_kernels.decode.mosaic import decode_attention_mosaic
 
 GiB = 1024**3
 MODELS = {"llama31_8b": llama31_8b, "qwen3_8b": qwen3_8b}
@@ -101,8 +102,6 @@ def _cudnn_attention(q, cache, *, softmax_scale=None, **options):
 def _mosaic_two_launches(q, cache, *, softmax_scale=None, **options):
     """The "mosaic" backend with its ring and LSE merge in a second Mosaic launch
     (``merge="mosaic"``) instead of XLA: the two merges timed side by side."""
-    from pallas_kernels.decode.mosaic import decode_attention_mosaic
-
     return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, merge="mosaic")
 
 
