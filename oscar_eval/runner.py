@@ -80,6 +80,12 @@ def _resolve(s: Settings, n_windows: int) -> tuple[int, str]:
     return batch, group
 
 
+def _note(res: dict, text: str) -> None:
+    """A caveat of this run: into results.json's notes and onto stderr."""
+    res["notes"].append(text)
+    print(f"oscar-jax eval: note: {text}", file=sys.stderr)
+
+
 def run_eval(
     m: CausalLM, heldout: np.ndarray | None, out_dir: str, s: Settings, *, model_dir: str = ""
 ) -> dict:
@@ -127,11 +133,9 @@ def run_eval(
     longest = max([s.ctx] * bool({"ppl", "tni", "ablations"} & set(tasks))
                   + list(s.niah_lengths) * ("niah" in tasks) + [0])  # fmt: skip
     if longest > mc.max_position_embeddings:
-        note = (f"contexts up to {longest} tokens exceed the model's max_position_embeddings="
-                f"{mc.max_position_embeddings} (its training context): beyond it every method, "
-                "bf16 included, runs on extrapolated positions")  # fmt: skip
-        res["notes"].append(note)
-        print(f"oscar-jax eval: note: {note}", file=sys.stderr)
+        _note(res, f"contexts up to {longest} tokens exceed the model's max_position_embeddings="
+                   f"{mc.max_position_embeddings} (its training context): beyond it every "
+                   "method, bf16 included, runs on extrapolated positions")  # fmt: skip
     bos = mc.bos_token_id
     windows = tni_windows = None
     memo: dict = {}
@@ -140,12 +144,11 @@ def run_eval(
             raise ValueError("tasks ppl / tni / ablations need held-out tokens (--heldout)")
         windows = make_windows(heldout, s.ctx, s.ppl_windows, bos)
         if s.ppl_windows is not None and len(windows) < s.ppl_windows:
-            note = (
+            _note(
+                res,
                 f"the held-out text holds {len(windows)} windows of {s.ctx} tokens: "
-                f"perplexity is scored on those, not the {s.ppl_windows} asked for"
+                f"perplexity is scored on those, not the {s.ppl_windows} asked for",
             )
-            res["notes"].append(note)
-            print(f"oscar-jax eval: note: {note}", file=sys.stderr)
         tni_windows = windows[: s.tni_windows]
         key = {"ctx": s.ctx, "cache_dtype": s.cache_dtype, "R": s.residual_length,
                "G": s.group_size, "dtype": m.dtype.name, "score": s.ppl_score,
