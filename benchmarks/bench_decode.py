@@ -19,6 +19,7 @@ much as a 1 x 4K call; ``--unroll 1`` times one call per iteration.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -102,10 +103,10 @@ def xla_bf16(q, k_hm, v_hm):
     return o.reshape(b, HQ, D).astype(q.dtype)
 
 
-def mosaic_call(b, ctx, k, v, knobs):
-    """The Mosaic GPU INT2 decode call (``pallas_kernels.decode.mosaic``, two launches) over
-    an OScaR INT2 cache whose values are stored unrotated, the cache converted to the
-    kernel's record layout once, ahead of the timed calls. Returns (fn(q, *operands),
+def mosaic_call(b, ctx, k, v, knobs, bits=2):
+    """The Mosaic GPU decode call (``pallas_kernels.decode.mosaic``, two launches) over an
+    OScaR INT2 (``bits=2``) or INT4 cache whose values are stored unrotated, the cache
+    converted to the kernel's record layout once, ahead of the timed calls. Returns (fn(q, *operands),
     operands), bytes read (records + norms of the quantized tokens, the ring). ``knobs``:
     Int2DecodeConfig fields, and ``merge``: "mosaic" (the second launch, default) or "xla"
     (the partials kernel + the merge in XLA, the backend's default)."""
@@ -114,9 +115,10 @@ def mosaic_call(b, ctx, k, v, knobs):
     if merge not in ("mosaic", "xla"):
         raise ValueError(f"{merge=} must be 'mosaic' or 'xla'")
     attention = mk.int2_decode_attention_2launch if merge == "mosaic" else mk.int2_decode_attention
-    cfg = mk.Int2DecodeConfig(**knobs)
-    kcfg = oj.preset("oscar", bits=2, rotate_values=False)
+    kcfg = oj.preset("oscar", bits=bits, rotate_values=False)
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
+    # the backend's defaults for this capacity and width, with the knobs given
+    cfg = dataclasses.replace(mk.default_config(c.quant_capacity, bits), **knobs)
     c = jax.jit(oj.prefill)(c, k, v)
     rec, kn, nq, ring_valid = jax.jit(lambda c: mk.kernel_inputs(c, block_tokens=cfg.block_tokens))(
         c
@@ -132,7 +134,7 @@ def mosaic_call(b, ctx, k, v, knobs):
         return out.reshape(q.shape).astype(q.dtype)
 
     nrec = np.asarray(-(-nq // 64), np.int64)
-    nbytes = int(np.sum(nrec) * HKV * (mk.WORDS * 4 + 64 * 4)) + 2 * c.k_res.size * 2
+    nbytes = int(np.sum(nrec) * HKV * (mk.record_words(bits) * 4 + 64 * 4)) + 2 * c.k_res.size * 2
     return (fn, (rec, kn, nq, c.k_res, c.v_res, ring_valid, c)), nbytes
 
 
@@ -203,10 +205,32 @@ def run_shape(b, ctx, args, log):
                 lambda qq, kk, vv, ks=ks: gqa_mod.gqa(qq, kk, vv, k_splits=ks),
                 (k_bl, v_bl),
             )
-    if args.mosaic is not None:
-        mos_name, (f, ops), mbytes = "mosaic int2", *mosaic_call(b, ctx, k, v, args.mosaic)
+    mosaics = [
+        (n, kn, bits)
+        for n, kn, bits in (("mosaic int2", args.mosaic, 2), ("mosaic int4", args.mosaic4, 4))
+        if kn is not None
+    ]
+    if args.triton4:  # the Triton INT4 kernel over a planar INT4 cache
+        c4 = oj.init_cache(oj.preset("oscar", bits=4), batch=b, max_len=ctx, num_kv_heads=HKV,
+                           head_dim=D)  # fmt: skip
+        c4 = jax.jit(oj.prefill)(c4, k, v)
         try:
-            res[mos_name] = dict(ms=T(f, ops) * 1e3, bytes=mbytes, opts=args.mosaic)
+            t = T(lambda qq, c: oj.decode_attention(qq, c, implementation="pallas"), (c4,))
+            res["triton int4"] = dict(ms=t * 1e3, bytes=int2_bytes(c4))
+            if args.check:
+                out = oj.decode_attention(q, c4, implementation="pallas").astype(jnp.float32)
+                ref = oj.decode_attention(q, c4, implementation="xla").astype(jnp.float32)
+                res["triton int4"]["max_rel"] = float(
+                    jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
+                )
+        except Exception as e:  # noqa: BLE001  (report and continue)
+            res["triton int4"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        log(f"{b}x{ctx} triton int4: {res['triton int4']}")
+        del c4
+    for mos_name, knobs, bits in mosaics:
+        (f, ops), mbytes = mosaic_call(b, ctx, k, v, knobs, bits)
+        try:
+            res[mos_name] = dict(ms=T(f, ops) * 1e3, bytes=mbytes, opts=knobs)
             if args.check:
                 ref = oj.decode_attention(q, ops[-1], implementation="xla").astype(jnp.float32)
                 out = f(q, *ops).astype(jnp.float32)
@@ -216,6 +240,7 @@ def run_shape(b, ctx, args, log):
         except Exception as e:  # noqa: BLE001  (report and continue)
             res[mos_name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
         log(f"{b}x{ctx} {mos_name}: {res[mos_name]}")
+        del f, ops
     for name, (f, ops) in peers.items():
         try:
             res[name] = dict(ms=T(f, ops) * 1e3, bytes=bf_bytes)
@@ -242,9 +267,11 @@ def run_shape(b, ctx, args, log):
 
 def table(results, copy_bw, header):
     bf_cols = ["bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
-    int_cols = [c for c in ("mosaic int2", "int2") if any(c in r for r in results.values())]
+    int_cols = [c for c in ("mosaic int2", "int2", "mosaic int4", "triton int4")
+                if any(c in r for r in results.values())]  # fmt: skip
     cols = int_cols + bf_cols
-    names = {"int2": "triton int2", "mosaic int2": "mosaic int2"}
+    names = {"int2": "triton int2", "mosaic int2": "mosaic int2", "mosaic int4": "mosaic int4",
+             "triton int4": "triton int4"}  # fmt: skip
     extra_h = [f"fastest BF16 / {names[c]} | {names[c]} GB/s (% of copy)" for c in int_cols]
     lines = [
         header,
@@ -283,8 +310,8 @@ def plot(results, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    names = ["mosaic int2", "int2", "bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16",
-             "pallas gqa (best)"]  # fmt: skip
+    names = ["mosaic int2", "int2", "mosaic int4", "triton int4", "bf16 pallas (ours)",
+             "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]  # fmt: skip
     fig, ax = plt.subplots(figsize=(6, 4))
     colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     markers = "os^Dv"  # one marker per batch size, one colour per implementation
@@ -345,6 +372,15 @@ def main():
                     help="JSON dict of Int2DecodeConfig knobs: also time the Mosaic GPU INT2 "
                     "kernel (jax >= 0.11.2, Hopper), '{}' for its defaults; "
                     "'{\"merge\": \"xla\"}' merges in XLA instead of a second launch")  # fmt: skip
+    ap.add_argument(
+        "--mosaic4",
+        type=json.loads,
+        default=None,
+        help="as --mosaic, for the Mosaic GPU kernel over an INT4 cache",
+    )
+    ap.add_argument(
+        "--triton4", action="store_true", help="also time the Triton kernel over an INT4 cache"
+    )
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--gqa-splits", default="8,16,32", help="k_splits tried for Pallas gqa")
     ap.add_argument("--variant-shapes", default="", help="shapes that run all --variants")

@@ -49,19 +49,20 @@ def parse_variant(s):
     for item in filter(None, s.split(",")):
         k, v = item.split("=")
         kw[k] = v if k in ("stage", "unpack") else int(v)
-    return kw
+    return kw  # "bits" (2 or 4) picks the cache; the rest are Int2DecodeConfig fields
 
 
-def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True):
-    """A random planar INT2 cache (zero past nq, as the repo's invariants) with planted
+def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True, bits=2):
+    """A random planar INT2 (or INT4) cache (zero past nq, as the repo's invariants) with planted
     low-norm sink tokens (norm 0.02 at token 0 and a few others) and a few tokens of very
     large norm (far-off scores that set the softmax max in one split only)."""
     ks_ = jax.random.split(key, 8)
     nq = jnp.asarray(nq, jnp.int32)
     tok = jnp.arange(lq)
     live = (tok[None, :] < nq[:, None])[:, None, :]  # [B, 1, Lq]
-    kc = jax.random.randint(ks_[0], (b, h, lq, 128), 0, 4).astype(jnp.uint8)
-    vc = jax.random.randint(ks_[1], (b, h, lq, 128), 0, 4).astype(jnp.uint8)
+    top = 1 << bits
+    kc = jax.random.randint(ks_[0], (b, h, lq, 128), 0, top).astype(jnp.uint8)
+    vc = jax.random.randint(ks_[1], (b, h, lq, 128), 0, top).astype(jnp.uint8)
     kc = jnp.where(live[..., None], kc, 0)
     vc = jnp.where(live[..., None], vc, 0)
     gl = (jnp.arange(lq // K.G)[None, :] * K.G < nq[:, None])[:, None, :, None]
@@ -69,7 +70,7 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True):
         gl, jax.random.uniform(ks_[2], (b, h, lq // K.G, 128), minval=0.02, maxval=0.2), 0
     )
     k_zero = jnp.where(
-        gl, -1.5 * k_scale + 0.05 * jax.random.normal(ks_[3], (b, h, lq // K.G, 128)), 0
+        gl, -(top - 1) / 2 * k_scale + 0.05 * jax.random.normal(ks_[3], (b, h, lq // K.G, 128)), 0
     )
     norm = jax.random.uniform(ks_[4], (b, h, lq), minval=0.5, maxval=2.0)
     if sinks:
@@ -82,10 +83,10 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True):
         live[..., None], jax.random.uniform(ks_[5], (b, h, lq, 4), minval=0.05, maxval=1.0), 0
     )
     v_zero = jnp.where(
-        live[..., None], -1.5 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)), 0
+        live[..., None], -(top - 1) / 2 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)), 0
     )
     c = dict(
-        k_codes=quant.pack(kc, 2), v_codes=quant.pack(vc, 2),
+        k_codes=quant.pack(kc, bits), v_codes=quant.pack(vc, bits),
         k_scale=k_scale.astype(pdt), k_zero=k_zero.astype(pdt), k_norm=norm.astype(jnp.float32),
         v_scale=v_scale.astype(pdt), v_zero=v_zero.astype(pdt),
     )  # fmt: skip
@@ -145,11 +146,6 @@ def run_shape(b, L, variants, copies):
     t_copy = med(jax.jit(lambda x: x + 1.0), xc)
     copy_rate = 2 * xc.nbytes / t_copy / 1e3  # GB/s
     del xc
-    # --- INT2 caches
-    sets = []
-    for i in range(copies):
-        c = random_cache(jax.random.fold_in(key, 500 + i), b, HKV, L, [nq_n] * b)
-        sets.append(c)
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, HKV, g, DH), jnp.float32)
     k_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
     v_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
@@ -164,16 +160,26 @@ def run_shape(b, L, variants, copies):
         bf16_GBps_cudnn=bf16_bytes / t_cudnn / 1e3,
     )
     print(json.dumps(base), flush=True)
+    sets_of = {}  # bits -> the INT2 / INT4 caches, built once
+
+    def cache_sets(bits):
+        if bits not in sets_of:
+            sets_of.clear()  # one width's caches at a time
+            sets_of[bits] = [random_cache(jax.random.fold_in(key, 500 + i), b, HKV, L,
+                                          [nq_n] * b, bits=bits) for i in range(copies)]  # fmt: skip
+        return sets_of[bits]
+
     for vs in variants:
         kw = parse_variant(vs)
+        bits = kw.pop("bits", 2)
         bt = kw.get("block_tokens", 256)
         cfg = K.Int2DecodeConfig(**kw)
-        recs = [jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))(c) for c in sets]
+        recs = [jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))(c) for c in cache_sets(bits)]
         rec_l = [r for r, _ in recs]
         kn_l = [n for _, n in recs]
         # bytes the kernel must read: records + norms of the quantized tokens, q, ring
         nrec = -(-nq_n // 64)
-        int2_bytes = b * HKV * nrec * (K.WORDS * 4 + 64 * 4) + 2 * b * HKV * RING * DH * 2
+        int2_bytes = b * HKV * nrec * (K.record_words(bits) * 4 + 64 * 4) + 2 * b * HKV * RING * DH * 2
 
         @jax.jit
         def part(q, recs, kns):

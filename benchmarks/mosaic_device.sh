@@ -18,8 +18,10 @@ filter=${3:-GPU}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu,power.draw \
   --format=csv | tee "$OUT/gpu.txt"
 if [ "$filter" != none ]; then
-  timeout 200 python3 -m pytest -q tests/test_decode_mosaic.py -k "$filter" -p no:cacheprovider \
-    2>&1 | tail -15 | tee "$OUT/tests.txt"
+  # PYTEST_ARGS (e.g. "-n 4": xdist workers share the GPU), TEST_TIMEOUT seconds (200)
+  # shellcheck disable=SC2086
+  timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q tests/test_decode_mosaic.py -k "$filter" \
+    -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 | tail -25 | tee "$OUT/tests.txt"
 fi
 mkdir -p /tmp/mgdump
 if [ "${DUMP:-0}" = 1 ]; then

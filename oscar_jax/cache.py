@@ -277,7 +277,8 @@ def init_cache(
     z = jnp.zeros
     lp = lq if cfg.layout == "planar" else 0  # the planar arrays' token axis
     if cfg.layout == "record":
-        codes, norms = z((b, h, lq // record.TILE, record.WORDS), jnp.uint32), z((b, h, lq))
+        nw = record.record_words(cfg.bits)
+        codes, norms = z((b, h, lq // record.TILE, nw), jnp.uint32), z((b, h, lq))
     else:
         codes, norms = z((b, h, lq, db), jnp.uint8), z((b, hn, lq), ndt)
     return KVCache(
@@ -487,8 +488,8 @@ def bytes_per_token(cache: KVCache) -> tuple[float, int]:
     res = 2 * h * d * jnp.dtype(cache.dtype).itemsize
     if not cfg.quantized:
         return 0.0, res
-    if cfg.layout == "record":  # 1600 words per 64 tokens and a float32 norm, per head
-        return h * (record.WORDS * 4 / record.TILE + 4), res
+    if cfg.layout == "record":  # a record per 64 tokens and a float32 norm, per head
+        return h * (record.record_words(cfg.bits) * 4 / record.TILE + 4), res
     p = jnp.dtype(cfg.scale_dtype).itemsize
     hn = cache.k_norm.shape[1]
     per = 2 * h * d * cfg.bits / 8  # K and V codes

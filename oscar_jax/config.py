@@ -152,8 +152,8 @@ class KVQuantConfig:
     def record_reason(self, head_dim: int | None = None) -> str | None:
         """What keeps this config (and head_dim, if given) out of the record layout, which
         the Mosaic GPU decode kernel reads (None: nothing)."""
-        if not self.quantized or self.bits != 2:
-            return f"bits=2 (INT2), not bits={self.bits}"
+        if not self.quantized or self.bits not in (2, 4):
+            return f"bits=2 or 4 (INT2, INT4), not bits={self.bits}"
         if self.group_size != 32:
             return f"group_size=32, not group_size={self.group_size}"
         if self.param_dtype not in ("float16", "bfloat16"):

@@ -48,7 +48,6 @@ from oscar_jax.flush import Flush, can_flush_early
 from oscar_jax.ring import ring_append_plan
 from pallas_kernels.decode.config import _pow2
 
-_ROWS = record.WORDS // 64  # a record as 25 rows of 64 words (Triton tiles are powers of 2)
 CACHE_FIELDS = ("k_res", "v_res", "k_codes", "k_scale", "k_zero", "k_norm",
                 "v_codes", "v_scale", "v_zero")  # fmt: skip
 
@@ -66,7 +65,7 @@ def unsupported_reason(cache) -> str | None:
         )
     if cache.slots != cache.slots_total:
         return f"cache.slots={cache.slots} must be {cache.slots_total} (an unsharded ring)"
-    if cfg.layout == "record":  # INT2, G 32, D 128 (KVQuantConfig validates): pow2 tiles
+    if cfg.layout == "record":  # INT2 or INT4, G 32, D 128 (KVQuantConfig validates): pow2 tiles
         return None
     d, db = cache.head_dim, cache.k_codes.shape[3]
     nv = cache.v_scale.shape[3]
@@ -124,17 +123,18 @@ def _kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, ekc, eks, ekz, ekn, evc, 
 
 
 def _record_kernel(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, words_ref, mask_ref, ekn, *refs,
-                   g: int):  # fmt: skip
+                   g: int, rows: int):  # fmt: skip
     """One (b, h) of a layout='record' cache: clear the flushed ring group, append the
-    token, merge the group's half-record into record at // 64 (25 rows of 64 words) and
+    token, merge the group's half-record into record at // 64 (``rows`` rows of 64 words: 25
+    at INT2, 40 at INT4; Triton tiles are powers of 2) and
     store its float32 norms at kn[at : at + G]."""
     kr, vr, rec, kn = refs[4:]  # the aliased outputs
     at = _ring_writes(slot_ref, clr_ref, at_ref, kt_ref, vt_ref, kr, vr, g)
 
     @pl.when(at >= 0)
     def _():
-        base = jax.lax.div(at, jnp.int32(record.TILE)) * _ROWS
-        for r in range(_ROWS):
+        base = jax.lax.div(at, jnp.int32(record.TILE)) * rows
+        for r in range(rows):
             old = rec[pl.ds(base + r, 1), :]
             new = jnp.where(mask_ref[pl.ds(r, 1), :] != 0, words_ref[pl.ds(r, 1), :], old)
             rec[pl.ds(base + r, 1), :] = new
@@ -273,21 +273,22 @@ def _fused_update_records(cache: KVCache, k_t, v_t, todo: Flush, interpret: bool
     words, mask, norm = record.group_update(todo.ek, todo.ev, todo.nq, h, words=todo.words,
                                             param_dtype=cache.cfg.scale_dtype)  # fmt: skip
     nrec = lq // record.TILE
+    rows = cache.k_codes.shape[-1] // 64  # a record as rows of 64 words
 
     def full(*shape):
         return pl.BlockSpec((None, None, *shape), lambda i, j: (i, j) + (0,) * len(shape))
 
     row = pl.BlockSpec((1,), lambda i, j: (i,))
-    mask_spec = pl.BlockSpec((None, _ROWS, 64), lambda i, j: (i, 0, 0))
-    cache_specs = [full(s, d), full(s, d), full(nrec * _ROWS, 64), full(lq)]
-    in_specs = [row, row, row, full(1, d), full(1, d), full(_ROWS, 64), mask_spec, full(g),
+    mask_spec = pl.BlockSpec((None, rows, 64), lambda i, j: (i, 0, 0))
+    cache_specs = [full(s, d), full(s, d), full(nrec * rows, 64), full(lq)]
+    in_specs = [row, row, row, full(1, d), full(1, d), full(rows, 64), mask_spec, full(g),
                 *cache_specs]  # fmt: skip
-    arrays = [cache.k_res, cache.v_res, cache.k_codes.reshape(b, h, nrec * _ROWS, 64),
+    arrays = [cache.k_res, cache.v_res, cache.k_codes.reshape(b, h, nrec * rows, 64),
               cache.k_norm]  # fmt: skip
     srcs = [k_t.astype(cache.k_res.dtype)[:, :, None], v_t.astype(cache.v_res.dtype)[:, :, None],
-            words.reshape(b, h, _ROWS, 64), mask.astype(jnp.int32).reshape(b, _ROWS, 64),
+            words.reshape(b, h, rows, 64), mask.astype(jnp.int32).reshape(b, rows, 64),
             norm]  # fmt: skip
-    kr, vr, rec, kn = _launch(functools.partial(_record_kernel, g=g), "oscar_cache_write_records",
+    kr, vr, rec, kn = _launch(functools.partial(_record_kernel, g=g, rows=rows), "oscar_cache_write_records",
                               (b, h), in_specs, cache_specs, [slot, clr, at, *srcs], arrays,
                               interpret, num_warps)  # fmt: skip
     return dataclasses.replace(cache, k_res=kr, v_res=vr, k_codes=rec.reshape(cache.k_codes.shape),

@@ -50,7 +50,10 @@ def test_on_a_gpu_each_kernel_is_passed_over_by_name(monkeypatch):
     name, why = backends.choose("decode_attention", record, 4)
     assert name == "mosaic" and why == {}
     name, why = backends.choose("decode_attention", _cache(bits=4), 4)
-    assert name == "triton" and "bits=4" in why["mosaic"]
+    assert name == "triton" and "layout='record'" in why["mosaic"]  # INT4 is covered, as record
+    assert backends.choose("decode_attention", _cache("record", bits=4), 4) == ("mosaic", {})
+    name, why = backends.choose("decode_attention", _cache(bits=3), 4)
+    assert name == "xla" and "bits=3" in why["mosaic"] and "bits=3" in why["triton"]
     name, why = backends.choose("decode_attention", planar, 17)
     assert name == "xla" and "g=17" in why["mosaic"] and "17" in why["triton"]
     name, why = backends.choose("decode_attention", _cache(head_dim=96), 2)
@@ -107,7 +110,8 @@ def test_an_auto_layout_is_record_where_auto_attention_would_run_mosaic(monkeypa
     assert lay(group=17) == "planar"  # the kernel's GQA limit
     assert lay(sharded=True) == "planar"
     assert lay(attention="pallas") == "planar" and lay(attention="xla") == "planar"
-    assert lay(oj.preset("oscar", bits=4)) == "planar"
+    assert lay(oj.preset("oscar", bits=4)) == "record"  # INT2 and INT4
+    assert lay(oj.preset("oscar", bits=3)) == "planar"
     assert lay(head_dim=64) == "planar" and lay(oj.preset("bf16")) == "planar"
     assert lay(kv.replace(layout="planar")) == "planar"  # a named layout is kept
     assert lay(oj.preset("kivi", bits=2, param_dtype="float32")) == "planar"

@@ -51,6 +51,9 @@ CASES = {
     "int2_d128_record_per_token_bf16": dict(
         bits=2, d=128, norm="per_token", dtype=jnp.float32, param_dtype="bfloat16", layout="record"
     ),  # fmt: skip
+    "int4_d128_record_f16": dict(
+        bits=4, d=128, norm="per_head", dtype=jnp.bfloat16, layout="record"
+    ),  # fmt: skip
 }
 
 

@@ -20,15 +20,17 @@ from tolerances import tol
 
 import oscar_jax as oj
 from oscar_jax import attention as att
+from oscar_jax import record
 from oscar_jax import sharding as osh
 from pallas_kernels.decode import mosaic as mk
+from pallas_kernels.decode.mosaic import _dequant as mk_dq
 
 D = 128
 PT = "per_token"
 
 
-def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, **kw):
-    cfg = oj.preset("oscar", bits=2, param_dtype=param_dtype, **kw)
+def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, bits=2, **kw):
+    cfg = oj.preset("oscar", bits=bits, param_dtype=param_dtype, **kw)
     k, v = kv_with_sinks(seed, b, max(lengths), h, D, jnp.bfloat16, sinks=(0, 1))
     c = oj.init_cache(cfg, batch=b, max_len=max_len, num_kv_heads=h, head_dim=D,
                       dtype=jnp.bfloat16)  # fmt: skip
@@ -45,22 +47,24 @@ def _bits(x):
 
 
 @pytest.mark.parametrize(
-    "lengths,param_dtype,block,norms",
+    "lengths,param_dtype,block,norms,bits",
     [
-        ([640, 200], "float16", 256, "per_head"),  # ragged: a row with few quantized tokens
-        ([100, 333, 640], "bfloat16", 128, "per_head"),  # a row all in the ring
-        ([517], "float16", 64, "per_token"),  # one norm over all KV heads
+        ([640, 200], "float16", 256, "per_head", 2),  # ragged: a row with few quantized tokens
+        ([100, 333, 640], "bfloat16", 128, "per_head", 2),  # a row all in the ring
+        ([517], "float16", 64, "per_token", 2),  # one norm over all KV heads
+        ([640, 200], "bfloat16", 256, "per_head", 4),
+        ([100, 517], "float16", 64, "per_token", 4),
     ],
 )
-def test_record_layout_is_an_exact_permutation(lengths, param_dtype, block, norms):
+def test_record_layout_is_an_exact_permutation(lengths, param_dtype, block, norms, bits):
     c = _cache(len(lengths), len(lengths), lengths, param_dtype=param_dtype,
-               norm_granularity=norms)  # fmt: skip
+               norm_granularity=norms, bits=bits)  # fmt: skip
     pdt = jnp.dtype(param_dtype)
     rec, kn = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
                                  c.v_scale, c.v_zero, param_dtype=pdt,
                                  block_tokens=block)  # fmt: skip
     b, h, lq = c.batch, c.num_kv_heads, c.quant_capacity
-    assert rec.shape == (b, h, -(-lq // block) * block // mk.TILE, mk.WORDS)
+    assert rec.shape == (b, h, -(-lq // block) * block // mk.TILE, record.record_words(bits))
     assert rec.dtype == jnp.uint32
     back = mk.fragment_layout_inverse(rec, kn, lq, param_dtype=pdt)
     want = dict(k_codes=c.k_codes, k_scale=c.k_scale, k_zero=c.k_zero, v_codes=c.v_codes,
@@ -108,18 +112,97 @@ def test_record_fields_sit_where_the_kernel_reads_them():
             assert (word >> (16 * e)) & 0xFFFF == bits[bi, hi, 64 * n + 8 * cbv + 2 * j + e, grp]
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_half_words_split_a_record_by_token_half(bits):
+    """Every word of a record belongs to one half (the code words hold tokens of one G-group
+    only), the halves partition all but the pad, and a half-record written by
+    ``group_words`` has nothing outside its half."""
+    kt, _, vt, _ = record._code_tables(bits)
+    for t in (kt, vt):
+        assert (t // mk.G == t[:, :1] // mk.G).all()
+    m = record.half_words(bits)
+    assert not (m[0] & m[1]).any()
+    assert (m[0] | m[1]).sum() == record.offsets(bits)[3] + 256
+    c = _cache(3, 1, [640], bits=bits)
+    w = record.group_words(c.k_codes[:, :, 32:64], c.k_scale[:, :, 1:2], c.k_zero[:, :, 1:2],
+                           c.v_codes[:, :, 32:64], c.v_scale[:, :, 32:64], c.v_zero[:, :, 32:64],
+                           jnp.ones((1,), jnp.int32), param_dtype=jnp.float16)  # fmt: skip
+    assert not np.asarray(w)[..., ~m[1]].any() and np.asarray(w)[..., m[1]].any()
+
+
+@pytest.mark.parametrize("bits,param_dtype,unpack", [
+    (2, "float16", "lop3"), (2, "bfloat16", "lop3"), (2, "float16", "shift"),
+    (4, "float16", "lop3"), (4, "bfloat16", "lop3"), (4, "bfloat16", "shift"),
+])  # fmt: skip
+def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack):
+    """The kernel's unpack (``plane_plan``: shift, mask, magic, FMA back to the code, FMA
+    with the scale / zero pair), emulated in numpy on a real record for every thread of the
+    warpgroup and every register of its K and V^T wgmma fragments, equals the planar
+    dequantization code * scale + zero rounded once to the parameter dtype: the layout, the
+    word / plane a register is read from and the magic's exactness, at INT2 and INT4."""
+    pdt = jnp.dtype(param_dtype)
+    c = _cache(5, 1, [640], param_dtype=param_dtype, bits=bits)
+    rec, _ = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
+                                c.v_scale, c.v_zero, param_dtype=pdt, block_tokens=64)  # fmt: skip
+    r = np.asarray(rec)[0, :, :]  # [H, n, W]
+    kc_, vc_, kp_, vp_ = record.offsets(bits)
+    ppw = record.pairs_per_word(bits)
+    ck = np.asarray(oj.unpack(c.k_codes, bits))[0].astype(np.float64)  # [H, Lq, D]
+    cv = np.asarray(oj.unpack(c.v_codes, bits))[0].astype(np.float64)
+    f64 = lambda x: np.asarray(x[0], np.float32).astype(np.float64)  # noqa: E731
+    ks, kz, vs, vz = f64(c.k_scale), f64(c.k_zero), f64(c.v_scale), f64(c.v_zero)
+
+    def halves(word):  # uint32 -> [..., 2] param_dtype (low, high)
+        return np.stack([word & 0xFFFF, word >> 16], -1).astype(np.uint16).view(pdt)
+
+    n = np.arange(r.shape[1])[None, :, None]
+    for tid in range(128):
+        w, lane = divmod(tid, 32)
+        j = lane % 4
+        e = np.arange(2)
+        for cb in range(16):
+            for rh in range(2):
+                reg = 2 * cb + rh
+                word = r[:, :, kc_ + record.code_word(reg // ppw, tid)]
+                g = w // 2
+                s_ = halves(r[:, :, kp_ + 128 * g + 16 * j + cb])
+                z_ = halves(r[:, :, kp_ + 128 * g + 64 + 16 * j + cb])
+                got = mk_dq.emulate_fragment(word, reg % ppw, s_, z_, bits=bits,
+                                             param_dtype=pdt, unpack=unpack)  # fmt: skip
+                tok = 64 * n + 16 * w + lane // 4 + 8 * rh  # [1, n, 1]
+                ch = 8 * cb + 2 * j + e  # [2]
+                hh = np.arange(r.shape[0])[:, None, None]
+                want = ck[hh, tok, ch] * ks[hh, tok // 32, ch] + kz[hh, tok // 32, ch]
+                np.testing.assert_array_equal(got, want.astype(pdt), err_msg=f"K {tid} {reg}")
+        for mt in range(2):
+            grp = 2 * mt + w // 2
+            for cb in range(8):
+                for rh in range(2):
+                    reg = 16 * mt + 2 * cb + rh
+                    word = r[:, :, vc_ + record.code_word(reg // ppw, tid)]
+                    pos = 64 * (2 * (cb // 4)) + 16 * grp + 4 * j + cb % 4
+                    s_, z_ = halves(r[:, :, vp_ + pos]), halves(r[:, :, vp_ + pos + 64])
+                    got = mk_dq.emulate_fragment(word, reg % ppw, s_, z_, bits=bits,
+                                                 param_dtype=pdt, unpack=unpack)  # fmt: skip
+                    tok = 64 * n + 8 * cb + 2 * j + e
+                    ch = 64 * mt + 16 * w + lane // 4 + 8 * rh
+                    hh = np.arange(r.shape[0])[:, None, None]
+                    want = cv[hh, tok, ch] * vs[hh, tok, grp] + vz[hh, tok, grp]
+                    np.testing.assert_array_equal(got, want.astype(pdt), err_msg=f"V {tid} {reg}")
+
+
 def test_unsupported_caches_are_named():
     planar = _cache(1, 1, [300])
     assert mk.unsupported_reason(planar, convert=True) is None
     assert "layout='record'" in mk.unsupported_reason(planar)
     assert "g=17" in mk.unsupported_reason(planar, 17, convert=True)
-    c4 = oj.init_cache(oj.preset("oscar", bits=4), batch=1, max_len=640, num_kv_heads=2,
+    c4 = oj.init_cache(oj.preset("oscar", bits=3), batch=1, max_len=640, num_kv_heads=2,
                        head_dim=D)  # fmt: skip
-    assert "bits=4" in mk.unsupported_reason(c4)
+    assert "bits=3" in mk.unsupported_reason(c4)
     c64 = oj.init_cache(oj.preset("oscar", bits=2), batch=1, max_len=640, num_kv_heads=2,
                         head_dim=64)  # fmt: skip
     assert "head_dim=64" in mk.unsupported_reason(c64)
-    with pytest.raises(ValueError, match="bits=4"):
+    with pytest.raises(ValueError, match="bits=3"):
         mk.decode_attention_mosaic(jnp.ones((1, 4, D)), c4)
     with pytest.raises(ValueError, match="block_tokens=100"):
         mk.Int2DecodeConfig(block_tokens=100)
@@ -169,13 +252,16 @@ def lowering_stack():
 
 
 @pytest.mark.usefixtures("lowering_stack")
-@pytest.mark.parametrize("block,g,stage", [(256, 4, "full"), (128, 7, "full"), (256, 4, "keys")])
-def test_kernels_lower_for_sm90(block, g, stage):
+@pytest.mark.parametrize("block,g,stage,bits", [
+    (256, 4, "full", 2), (128, 7, "full", 2), (256, 4, "keys", 2), (256, 4, "full", 4),
+    (64, 3, "full", 4), (128, 4, "dequant", 4),
+])  # fmt: skip
+def test_kernels_lower_for_sm90(block, g, stage, bits):
     cfg = mk.Int2DecodeConfig(block_tokens=block, stage=stage)
     s = jax.ShapeDtypeStruct
     b, h, lq = 2, 2, 1024
     q = s((b, h, g, D), jnp.float32)
-    rec = s((b, h, lq // 64, mk.WORDS), jnp.uint32)
+    rec = s((b, h, lq // 64, record.record_words(bits)), jnp.uint32)
     kn, nq = s((b, h, lq), jnp.float32), s((b,), jnp.int32)
     f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg))
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
@@ -187,10 +273,12 @@ def test_kernels_lower_for_sm90(block, g, stage):
 
 
 @pytest.mark.usefixtures("lowering_stack")
-@pytest.mark.parametrize("merge,rotate_values", [("xla", True), ("mosaic", False)])
-def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values):
+@pytest.mark.parametrize("merge,rotate_values,bits", [
+    ("xla", True, 2), ("mosaic", False, 2), ("xla", True, 4), ("mosaic", False, 4),
+])  # fmt: skip
+def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits):
     """The "mosaic" backend's call on a layout='record' cache (its arrays read as they are)."""
-    c = _cache(3, 2, [600, 130], rotate_values=rotate_values, layout="record")
+    c = _cache(3, 2, [600, 130], rotate_values=rotate_values, layout="record", bits=bits)
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))
     fn.trace(query(3, 2, 8, D), c).lower(lowering_platforms=("cuda",))
 
@@ -238,11 +326,20 @@ class TestMosaicGPU:
             ([3100, 0, 640], 4, "float16", dict(unpack="lop3", block_tokens=128)),
             ([2222, 1000], 3, "bfloat16", dict(unpack="lop3", overlap_keys=True)),
             ([2048, 333], 8, "float16", dict(unpack="lop3", overlap_keys=True, block_tokens=64)),
+            # INT4 records (the "bits" entry picks the cache's code width)
+            ([4000, 0, 150], 4, "float16", dict(bits=4)),
+            ([2080, 1111], 7, "bfloat16", dict(bits=4, block_tokens=128)),
+            ([990, 481], 3, "float16", dict(bits=4, block_tokens=64)),
+            ([1600, 700], 1, "bfloat16", dict(bits=4, max_concurrent_steps=2)),
+            ([2900, 77], 6, "float16", dict(bits=4, unpack="shift", block_tokens=128)),
+            ([2048, 333], 8, "bfloat16", dict(bits=4, unpack="lop")),
         ],
     )
     def test_matches_xla(self, lengths, g, param_dtype, knobs):
+        knobs = dict(knobs)
+        bits = knobs.pop("bits", 2)
         c = _cache(sum(lengths), len(lengths), lengths, param_dtype=param_dtype,
-                   max_len=4096 + 160)  # fmt: skip
+                   max_len=4096 + 160, bits=bits)  # fmt: skip
         q = query(len(lengths), len(lengths), 2 * g, D, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs)
         got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, convert=True))(q, c)
@@ -257,12 +354,16 @@ class TestMosaicGPU:
             ([2000, 1999], 7, "bfloat16", dict(unpack="lop", block_tokens=128)),
             ([3900, 0, 161], 4, "float16", dict(merge_step=4, unpack="lop3")),
             ([1500, 2500], 6, "bfloat16", dict(merge_step=8, block_tokens=64, unpack="lop3")),
+            ([3000, 0, 150], 4, "bfloat16", dict(bits=4)),
+            ([2000, 1999], 7, "float16", dict(bits=4, block_tokens=128)),
         ],
     )
     def test_two_launches_match_xla(self, lengths, g, param_dtype, knobs):
         """The ring and the LSE merge in the second Mosaic launch (values unrotated)."""
+        knobs = dict(knobs)
+        bits = knobs.pop("bits", 2)
         c = _cache(sum(lengths) + 1, len(lengths), lengths, param_dtype=param_dtype,
-                   max_len=4096 + 160, rotate_values=False)  # fmt: skip
+                   max_len=4096 + 160, rotate_values=False, bits=bits)  # fmt: skip
         q = query(len(lengths) + 1, len(lengths), 2 * g, D, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs)
         got = jax.jit(
@@ -281,14 +382,18 @@ class TestMosaicGPU:
             (16, "xla", dict(splits=1)),
             (16, "mosaic", dict(splits=1)),
             (40, "xla", dict(splits=1)),
+            (48, "xla", dict(bits=4)),
+            (24, "mosaic", dict(bits=4, block_tokens=128)),
         ],
     )
     def test_many_rows_match_xla(self, b, merge, knobs):
         """16-48 rows x 8 KV heads (hundreds of CTAs a launch, several an SM), ragged: the
         second launch gave wrong rows there on the H200 (relative error 0.2-165) while the
         one- to eight-row cases above were right."""
+        knobs = dict(knobs)
+        bits = knobs.pop("bits", 2)
         lengths = [int(x) for x in np.random.default_rng(b).integers(900, 4000, b)]
-        c = _cache(b + 7, b, lengths, h=8, max_len=4096, rotate_values=False)
+        c = _cache(b + 7, b, lengths, h=8, max_len=4096, rotate_values=False, bits=bits)
         q = query(b + 8, b, 32, D, jnp.float16)
         cfg = mk.Int2DecodeConfig(**knobs)
         fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge=merge,
@@ -306,6 +411,8 @@ class TestMosaicGPU:
             ([2080, 1999], 7, "bfloat16", dict(rotate_values=False)),  # values unrotated
             ([3100, 640, 33], 3, "float16", dict(rotate_values=False, norm_granularity=PT)),
             ([1234, 2900], 8, "bfloat16", dict(norm_granularity=PT)),
+            ([4000, 0, 150], 4, "bfloat16", dict(bits=4)),
+            ([2080, 1999], 7, "float16", dict(bits=4, rotate_values=False, norm_granularity=PT)),
         ],
     )
     def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw):

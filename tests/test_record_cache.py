@@ -25,9 +25,9 @@ D = 128
 MAX_LEN = 700  # Lq = 768: three 256-token tiles, twelve records
 
 
-def _caches(seed, lengths, *, t=None, h=2, **kw):
+def _caches(seed, lengths, *, t=None, h=2, bits=2, **kw):
     """The same prompt prefilled into a planar and a record cache."""
-    cfg = oj.preset("oscar", bits=2, **kw)
+    cfg = oj.preset("oscar", bits=bits, **kw)
     b = len(lengths)
     t = t or max(max(lengths), 1)
     k, v = kv_with_sinks(seed, b, t, h, D, jnp.bfloat16, sinks=(0, 1))
@@ -76,10 +76,13 @@ CASES = [
     dict(
         lengths=[300, 129], param_dtype="float16", norm_granularity="per_token", rotate_values=False
     ),  # fmt: skip
+    dict(lengths=[0, 100, 229, 650], param_dtype="float16", norm_granularity="per_head", bits=4),
+    dict(lengths=[161, 400], param_dtype="bfloat16", norm_granularity="per_token", bits=4),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["f16-per_head", "bf16-per_token", "f16-unrot"])
+@pytest.mark.parametrize("case", CASES, ids=["f16-per_head", "bf16-per_token", "f16-unrot",
+                                             "int4-f16-per_head", "int4-bf16-per_token"])  # fmt: skip
 def test_prefill_and_flushes_write_the_records_of_the_planar_cache(case):
     case = dict(case)
     lengths = case.pop("lengths")
@@ -134,7 +137,7 @@ def test_an_empty_record_cache_and_one_without_a_quantized_part():
     "kw,match",
     [
         (dict(layout="records"), "layout='records' must be one of"),
-        (dict(layout="record", bits=4), "bits=4"),
+        (dict(layout="record", bits=3), "bits=3"),
         (dict(layout="record", group_size=64, residual_length=128), "group_size=64"),
         (dict(layout="record", param_dtype="float32"), "param_dtype='float32'"),
     ],

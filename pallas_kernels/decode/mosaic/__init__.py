@@ -63,6 +63,8 @@ from oscar_jax.record import (
     G,
     fragment_layout,
     fragment_layout_inverse,
+    offsets,
+    record_words,
 )
 from pallas_kernels.decode.mosaic._cache import (
     decode_attention_mosaic,
@@ -86,5 +88,5 @@ __all__ = [
     "decode_attention_mosaic", "default_config", "fragment_layout", "fragment_layout_inverse",
     "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_partials",
     "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring", "merge_step_for",
-    "quantized_partial_mosaic", "unsupported_reason",
+    "offsets", "quantized_partial_mosaic", "record_words", "unsupported_reason",
 ]  # fmt: skip

@@ -33,10 +33,14 @@ def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
     return None
 
 
-def default_config(capacity: int) -> Int2DecodeConfig:
+def default_config(capacity: int, bits: int = 2) -> Int2DecodeConfig:
     """The default tuning with the largest block of 256, 128 or 64 tokens that divides the
-    quantized capacity (a record cache holds whole 64-token records)."""
-    return Int2DecodeConfig(block_tokens=next(b for b in (256, 128, 64) if capacity % b == 0))
+    quantized capacity (a record cache holds whole 64-token records). INT4 records are 1.6x
+    the bytes of INT2's: 2 TMA stages of 256 tokens (80 KB a program) keep two programs an
+    SM within its 228 KB of shared memory, where 3 stages (120 KB) would allow one."""
+    block = next(b for b in (256, 128, 64) if capacity % b == 0)
+    stages = 2 if bits == 4 and block == 256 else 3
+    return Int2DecodeConfig(block_tokens=block, max_concurrent_steps=stages)
 
 
 def kernel_inputs(cache, *, block_tokens: int = 256):
@@ -91,7 +95,7 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     if merge == "auto":
         merge = "xla"
     pdt = jnp.dtype(kcfg.scale_dtype)
-    cfg = cfg or default_config(cache.quant_capacity)
+    cfg = cfg or default_config(cache.quant_capacity, kcfg.bits)
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, D)
     # dense: one [128, 128] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
@@ -119,7 +123,7 @@ def quantized_partial_mosaic(q_rot, cache, scale, *, offset=0, cfg: Int2DecodeCo
     if reason is not None:
         raise ValueError(f"quantized_partial_mosaic: {reason}")
     lq = cache.quant_capacity
-    cfg = cfg or default_config(lq)
+    cfg = cfg or default_config(lq, cache.cfg.bits)
     rec, kn, _, _ = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     nq = jnp.clip(cache.num_quantized().astype(jnp.int32) - offset, 0, lq)
     acc, m2, l = int2_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=scale,

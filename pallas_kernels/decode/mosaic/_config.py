@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from oscar_jax.record import OFFSETS, TILE
+from oscar_jax.record import TILE
 
 NPAD = 16  # GQA query heads padded to the wgmma N (16-bit B operands need N >= 16)
-_KC, _VC, _KP, _VP = OFFSETS
 LOG2E = 1.4426950408889634
 
 

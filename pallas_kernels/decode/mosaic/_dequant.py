@@ -5,12 +5,50 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.record import TILE, D
-from pallas_kernels.decode.mosaic._config import _KP, _VC, _VP
+from oscar_jax.record import TILE, D, code_word, offsets, pairs_per_word
+
+MAGIC = {"float16": (0x6400, 1024.0, 10), "bfloat16": (0x4300, 128.0, 7)}  # bits, value, mantissa
 
 
-def _dequant_fns(pdt, no_fma=False, unpack="shift"):
-    """inline_mgpu bodies: record smem ref -> K [64, 128] / V^T halves [64, 64] fragments."""
+def plane_plan(p: int, *, bits: int, param_dtype, unpack: str = "lop3"):
+    """How plane ``p`` of a code word becomes a pair of codes (the kernel's unpack, in one
+    place): (shift, mask, q). The word is shifted right by ``shift`` bits, AND ``mask``
+    keeps the two ``bits``-wide codes (one a 16-bit half) at plane q, OR the magic makes
+    each half the 16-bit float ``value + code f^q`` (f = 2^bits, exact while the codes sit
+    in the mantissa: q < span), and ``x f^-q - value f^-q`` is the code again, exactly.
+    "shift" unpack: every plane shifted to q = 0; "lop"/"lop3": a shift only every
+    ``span`` planes (the mantissa's bits // bits)."""
+    _, _, mant = MAGIC[jnp.dtype(param_dtype).name]
+    span = mant // bits
+    cmask = (1 << bits) - 1
+    if unpack == "shift":
+        shift, q = bits * p, 0
+    else:
+        k, q = divmod(p, span)
+        shift = bits * span * k
+    return shift, (cmask | (cmask << 16)) << (bits * q), q
+
+
+def emulate_fragment(words, p: int, scale, zero, *, bits: int, param_dtype, unpack="lop3"):
+    """numpy of what the kernel computes for plane ``p`` of code words ``words`` (uint32)
+    with the 16-bit scale / zero pairs: [..., 2] values in param_dtype (lo, hi half),
+    following ``plane_plan`` step by step with each FMA rounded once (as HFMA2)."""
+    pdt = jnp.dtype(param_dtype)
+    magic, value, _ = MAGIC[pdt.name]
+    shift, mask, q = plane_plan(p, bits=bits, param_dtype=pdt, unpack=unpack)
+    x = ((np.asarray(words, np.uint32) >> np.uint32(shift)) & np.uint32(mask)) | np.uint32(
+        magic | (magic << 16)
+    )
+    halves = np.stack([x & 0xFFFF, x >> 16], -1).astype(np.uint16).view(pdt)
+    xf = halves.astype(np.float64)
+    f = float(1 << bits) ** -q
+    code = (xf * f - value * f).astype(pdt).astype(np.float64)  # exact: an integer
+    return (code * np.asarray(scale, np.float64) + np.asarray(zero, np.float64)).astype(pdt)
+
+
+def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
+    """inline_mgpu bodies: record smem ref -> K [64, 128] / V^T halves [64, 64] fragments
+    of an INT2 or INT4 record (``bits``; ``oscar_jax.record``'s layout)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental import pallas as pl  # noqa: F401
@@ -19,7 +57,10 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
     from jax.experimental.mosaic.gpu import utils as mu
 
     is_f16 = pdt == jnp.float16
-    magic = 0x6400 if is_f16 else 0x4300
+    magic, mvalue, _ = MAGIC[jnp.dtype(pdt).name]
+    _kc, _vc, _kp, _vp = offsets(bits)
+    ppw = pairs_per_word(bits)  # f16x2 registers a code word fills
+    nvec = bits // 2  # 16-byte loads of code words a thread a tensor
 
     def ctypes():
         i32 = ir.IntegerType.get_signless(32)
@@ -48,6 +89,15 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
     def words(vec4):
         return [vector.extract(vec4, [], [k]) for k in range(4)]
 
+    def code_words(rec_ref, row, first, tid, n):
+        """This thread's first ``n`` code words of the tensor at word ``first`` (f = 0..n-1 at
+        ``code_word(f, tid)``), loaded 16 bytes at a time."""
+        out = []
+        for k in range(-(-n // 4)):
+            at = arith.addi(c32(first + code_word(4 * k, 0)), arith.muli(tid, c32(4)))
+            out += words(load4(rec_ref, row, at))
+        return out[:n]
+
     def tids():
         tid = arith.remui(mu.thread_idx(), c32(128))
         w = arith.divui(tid, c32(32))
@@ -55,33 +105,28 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
         j = arith.remui(lane, c32(4))
         return tid, w, j
 
-    # Planes a 16-bit half holds below the magic's exponent without a shift ("lop" unpack):
-    # the f16 mantissa has 10 bits (codes at bits 0..9: planes 0..4), bf16's 7 (planes 0..2).
-    span = 5 if is_f16 else 3
     shifted = {}  # (id of the word, shift) -> the word shifted right, one SHF per word
 
     def plane_src(word, p):
-        """(word to mask, plane within it): one shift per ``span`` planes."""
-        if unpack == "shift":
-            return (arith.shrui(word, c32(2 * p)) if p else word), 0
-        k, q = divmod(p, span)
-        if k == 0:
-            return word, q
-        key = (id(word), k)
+        """(word to mask, its mask, plane q): ``plane_plan``; one SHF per word and shift."""
+        shift, mask, q = plane_plan(p, bits=bits, param_dtype=pdt, unpack=unpack)
+        if shift == 0:
+            return word, mask, q
+        key = (id(word), shift)
         if key not in shifted:
-            shifted[key] = (word, arith.shrui(word, c32(2 * span * k)))  # keep word alive
-        return shifted[key][1], q
+            shifted[key] = (word, arith.shrui(word, c32(shift)))  # keep word alive
+        return shifted[key][1], mask, q
 
     def unpack_pair(word, p, scale, zero):
-        """(code at bits 2p, code at bits 16 + 2p) of ``word`` -> x2 = code * scale + zero.
+        """(code at bits b p, code at bits 16 + b p) of ``word`` -> x2 = code * scale + zero
+        (b = ``bits``, f = 2^b).
 
         "shift": shift the plane down, OR the magic on (1024 + code or 128 + code, exact),
-        subtract the magic, FMA. "lop": mask the plane in place (1024 + code 4^q, exact for
-        q < span), one FMA with exact constants back to the code (code = x 4^-q - 1024 4^-q,
+        subtract the magic, FMA. "lop": mask the plane in place (1024 + code f^q, exact for
+        q < span), one FMA with exact constants back to the code (code = x f^-q - 1024 f^-q,
         an integer), FMA: no shift for most planes."""
         i32, ft, v2, _ = ctypes()
-        src, q = plane_src(word, p)
-        mask = 0x00030003 << (2 * q)
+        src, mask, q = plane_src(word, p)
         if unpack == "lop3":  # one LOP3: ptxas splits LLVM's and + or of two constants
             x = llvm.inline_asm(
                 i32, [src], f"lop3.b32 $0, $1, {mask}, {magic | (magic << 16)}, 0xea;", "=r,r"
@@ -93,13 +138,13 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
         def splat(v):
             return arith.constant(v2, ir.DenseElementsAttr.get_splat(v2, ir.FloatAttr.get(ft, v)))
 
-        base = 1024.0 if is_f16 else 128.0
         if no_fma:  # ablation (timing only): magic-biased codes, no scale / zero
             return xv
         if q == 0:
-            xv = arith.subf(xv, splat(base))
+            xv = arith.subf(xv, splat(mvalue))
         else:
-            xv = _fma(xv, splat(4.0**-q), splat(-base * 4.0**-q))
+            f = float(1 << bits) ** -q
+            xv = _fma(xv, splat(f), splat(-mvalue * f))
         sv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), scale))
         zv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), zero))
         return _fma(xv, sv, zv)
@@ -113,9 +158,9 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
         [64, 128], or with ``half`` in (0, 1) its channels 64 half.. (fewer live registers)."""
         shifted.clear()
         tid, w, j = tids()
-        cw = words(load4(rec_ref, row, arith.muli(tid, c32(4))))
+        cw = code_words(rec_ref, row, _kc, tid, 16 // ppw * 2)
         g = arith.divui(w, c32(2))
-        base = arith.addi(c32(_KP), arith.muli(g, c32(128)))
+        base = arith.addi(c32(_kp), arith.muli(g, c32(128)))
         sbase = arith.addi(base, arith.muli(j, c32(16)))
         zbase = arith.addi(sbase, c32(64))
         cbs = range(16) if half is None else range(8 * half, 8 * half + 8)
@@ -131,9 +176,9 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
         regs = np.empty(layout.registers_shape((TILE, width)), dtype=object)
         for cb in cbs:
             for rh in range(2):
-                p = 2 * (cb % 4) + rh
+                r = 2 * cb + rh
                 regs[0, cb - cbs[0], 0, 0, rh, 0, 0, 0, 0] = unpack_pair(
-                    cw[cb // 4], p, sw[cb], zw[cb]
+                    cw[r // ppw], r % ppw, sw[cb], zw[cb]
                 )
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
@@ -141,7 +186,7 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
         """V^T tiles (channels x tokens) [64, 64] for the channel halves ``mts``."""
         shifted.clear()
         tid, w, j = tids()
-        cw = words(load4(rec_ref, row, arith.addi(c32(_VC), arith.muli(tid, c32(4)))))
+        cw = code_words(rec_ref, row, _vc, tid, 32 // ppw)
         layout = fa.WGMMA_LAYOUT
         outs = []
         for mt in mts:
@@ -149,24 +194,24 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift"):
             pw = {}
             for c in range(2):
                 for sz in range(2):
-                    off = arith.addi(c32(_VP + (c * 2 + sz) * 64 + 0), arith.addi(
+                    off = arith.addi(c32(_vp + (c * 2 + sz) * 64 + 0), arith.addi(
                         arith.muli(g, c32(16)), arith.muli(j, c32(4))))  # fmt: skip
                     pw[c, sz] = words(load4(rec_ref, row, off))
             regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)
             for cb in range(8):
                 c = cb // 4
                 for rh in range(2):
-                    p = 2 * (cb % 4) + rh
+                    r = 16 * mt + 2 * cb + rh
                     regs[0, cb, 0, 0, rh, 0, 0, 0, 0] = unpack_pair(
-                        cw[2 * mt + cb // 4], p, pw[c, 0][cb % 4], pw[c, 1][cb % 4])  # fmt: skip
+                        cw[r // ppw], r % ppw, pw[c, 0][cb % 4], pw[c, 1][cb % 4])  # fmt: skip
             outs.append(mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None))
         return tuple(outs)
 
     def stream_touch(ctx, rec_ref, row):
         """Stage 'stream': XOR of this thread's K and V code words (keeps the loads live)."""
         tid, w, j = tids()
-        a = words(load4(rec_ref, row, arith.muli(tid, c32(4))))
-        bw = words(load4(rec_ref, row, arith.addi(c32(_VC), arith.muli(tid, c32(4)))))
+        a = code_words(rec_ref, row, _kc, tid, 4 * nvec)
+        bw = code_words(rec_ref, row, _vc, tid, 4 * nvec)
         x = a[0]
         for v in a[1:] + bw:
             x = arith.xori(x, v)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.record import TILE, WORDS, D
+from oscar_jax.record import TILE, D, bits_of
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
 
@@ -27,7 +27,8 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     """Split-K partials of the quantized part.
 
     q_rot [B, H, g, 128] (rotated query, g <= 8 query heads per KV head, any float dtype);
-    rec [B, H, Lp/64, 1600] uint32, kn [B, H, Lp] f32 (``fragment_layout``);
+    rec [B, H, Lp/64, W] uint32 (INT2: W = 1600, INT4: 2560), kn [B, H, Lp] f32
+    (``fragment_layout``);
     nq [B] int32 quantized tokens per row (0 <= nq <= Lp).
     Returns acc [B, H, S, 128, 8] f32 (unnormalised O^T), m [B, H, S, 8] f32 (running max
     of the scores in log2 units; -inf-like -1e30 for an empty split), l [B, H, S, 8] f32.
@@ -38,7 +39,8 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     b, h, g, d = q_rot.shape
     assert d == D and g <= NPAD, q_rot.shape
     _, _, nrec, words = rec.shape
-    assert words == WORDS and rec.shape[:2] == (b, h)
+    bits = bits_of(words)
+    assert rec.shape[:2] == (b, h), (rec.shape, q_rot.shape)
     lp = nrec * TILE
     bt = cfg.block_tokens
     assert lp % bt == 0, (lp, bt)
@@ -53,7 +55,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
     qt = jnp.swapaxes(qt, -1, -2).astype(pdt)  # [B, H, 128, 8]
     key_frag, value_frags, stream_touch, dequant_touch = _dequant_fns(
-        pdt, no_fma=cfg.stage == "nofma", unpack=cfg.unpack
+        pdt, no_fma=cfg.stage == "nofma", unpack=cfg.unpack, bits=bits
     )
     f32 = jnp.float32
     NEG = -1e30
@@ -185,7 +187,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
             plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
         )
         pipe_specs = [
-            plgpu.BlockSpec((nsub, WORDS // 64, 64), lambda i: (start_blk + i, 0, 0)),
+            plgpu.BlockSpec((nsub, words // 64, 64), lambda i: (start_blk + i, 0, 0)),
             plgpu.BlockSpec((nsub, TILE), lambda i: (start_blk + i, 0)),
         ]
         pipe = plgpu.emit_pipeline(
@@ -212,7 +214,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     )
     fn = plgpu.kernel(
         kernel,
-        kernel_name="oscar_decode_int2_partials",  # its name in profiles and ncu -k
+        kernel_name=f"oscar_decode_int{bits}_partials",  # its name in profiles and ncu -k
         out_type=out_type,
         scratch_types=[
             plgpu.SMEM((D, NPAD), pdt, transforms=b_tr),
@@ -229,5 +231,5 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
             reduction_scratch_bytes=cfg.reduction_scratch,
         ),
     )
-    rec3 = rec.reshape(b, h, nrec, WORDS // 64, 64)  # TMA boxes are <= 256 per dimension
+    rec3 = rec.reshape(b, h, nrec, words // 64, 64)  # TMA boxes are <= 256 per dimension
     return fn(qt, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32))
