@@ -106,10 +106,11 @@ def xla_bf16(q, k_hm, v_hm):
 def mosaic_call(b, ctx, k, v, knobs, bits=2):
     """The Mosaic GPU decode call (``pallas_kernels.decode.mosaic``, two launches) over an
     OScaR INT2 (``bits=2``) or INT4 cache whose values are stored unrotated, the cache
-    converted to the kernel's record layout once, ahead of the timed calls. Returns (fn(q, *operands),
-    operands), bytes read (records + norms of the quantized tokens, the ring). ``knobs``:
-    Int2DecodeConfig fields, and ``merge``: "mosaic" (the second launch, default) or "xla"
-    (the partials kernel + the merge in XLA, the backend's default)."""
+    converted to the kernel's record layout once, ahead of the timed calls. Returns
+    (fn(q, *operands), operands), bytes read (records + norms of the quantized tokens, the
+    ring). ``knobs``: Int2DecodeConfig fields (over the backend's defaults for the cache's
+    capacity and bits), and ``merge``: "mosaic" (the second launch, default) or "xla" (the
+    partials kernel + the merge in XLA, the backend's default)."""
     knobs = dict(knobs)
     merge = knobs.pop("merge", "mosaic")
     if merge not in ("mosaic", "xla"):

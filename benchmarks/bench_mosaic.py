@@ -83,7 +83,9 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True, bits=2):
         live[..., None], jax.random.uniform(ks_[5], (b, h, lq, 4), minval=0.05, maxval=1.0), 0
     )
     v_zero = jnp.where(
-        live[..., None], -(top - 1) / 2 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)), 0
+        live[..., None],
+        -(top - 1) / 2 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)),
+        0,
     )
     c = dict(
         k_codes=quant.pack(kc, bits), v_codes=quant.pack(vc, bits),
@@ -174,12 +176,16 @@ def run_shape(b, L, variants, copies):
         bits = kw.pop("bits", 2)
         bt = kw.get("block_tokens", 256)
         cfg = K.Int2DecodeConfig(**kw)
-        recs = [jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))(c) for c in cache_sets(bits)]
+        recs = [
+            jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))(c) for c in cache_sets(bits)
+        ]
         rec_l = [r for r, _ in recs]
         kn_l = [n for _, n in recs]
         # bytes the kernel must read: records + norms of the quantized tokens, q, ring
         nrec = -(-nq_n // 64)
-        int2_bytes = b * HKV * nrec * (K.record_words(bits) * 4 + 64 * 4) + 2 * b * HKV * RING * DH * 2
+        int2_bytes = (
+            b * HKV * nrec * (K.record_words(bits) * 4 + 64 * 4) + 2 * b * HKV * RING * DH * 2
+        )
 
         @jax.jit
         def part(q, recs, kns):

@@ -273,10 +273,10 @@ def group_words(
 ) -> Array:  # fmt: skip
     """One group of G = 32 tokens -> its half-record words [B, H, W] uint32.
 
-    k_codes, v_codes [B, H, 32, 128 bits / 8] uint8 (planar INT2 or INT4); k_scale, k_zero [B, H, 1, 128];
-    v_scale, v_zero [B, H, 32, 4]; half [B] int32 (0: tokens 0..31 of the record, 1:
-    32..63). The words of the other half (``half_words(bits)[1 - half]``) and the pad are zero,
-    so merging into a record is ``where(half_words(bits)[half], words, record)``.
+    k_codes, v_codes [B, H, 32, 128 bits / 8] uint8 (planar INT2 or INT4); k_scale, k_zero
+    [B, H, 1, 128]; v_scale, v_zero [B, H, 32, 4]; half [B] int32 (0: tokens 0..31 of the
+    record, 1: 32..63). The words of the other half (``half_words(bits)[1 - half]``) and the
+    pad are zero, so merging into a record is ``where(half_words(bits)[half], words, record)``.
     """
     b, h = k_codes.shape[:2]
     first = (half == 0).reshape(b, 1, 1, 1)

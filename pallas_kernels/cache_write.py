@@ -288,9 +288,9 @@ def _fused_update_records(cache: KVCache, k_t, v_t, todo: Flush, interpret: bool
     srcs = [k_t.astype(cache.k_res.dtype)[:, :, None], v_t.astype(cache.v_res.dtype)[:, :, None],
             words.reshape(b, h, rows, 64), mask.astype(jnp.int32).reshape(b, rows, 64),
             norm]  # fmt: skip
-    kr, vr, rec, kn = _launch(functools.partial(_record_kernel, g=g, rows=rows), "oscar_cache_write_records",
-                              (b, h), in_specs, cache_specs, [slot, clr, at, *srcs], arrays,
-                              interpret, num_warps)  # fmt: skip
+    body = functools.partial(_record_kernel, g=g, rows=rows)
+    kr, vr, rec, kn = _launch(body, "oscar_cache_write_records", (b, h), in_specs, cache_specs,
+                              [slot, clr, at, *srcs], arrays, interpret, num_warps)  # fmt: skip
     return dataclasses.replace(cache, k_res=kr, v_res=vr, k_codes=rec.reshape(cache.k_codes.shape),
                                k_norm=kn, lengths=lengths, flags=flags)  # fmt: skip
 

@@ -81,8 +81,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=["f16-per_head", "bf16-per_token", "f16-unrot",
-                                             "int4-f16-per_head", "int4-bf16-per_token"])  # fmt: skip
+IDS = ["f16-per_head", "bf16-per_token", "f16-unrot", "int4-f16-per_head", "int4-bf16-per_token"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_prefill_and_flushes_write_the_records_of_the_planar_cache(case):
     case = dict(case)
     lengths = case.pop("lengths")
