@@ -1,6 +1,6 @@
 # ruff: noqa: E501, B905, B023  (wide result tables; the jitted closures run in their loop)
 """Device-side timing (CUPTI via jax.experimental.mosaic.gpu.profiler.measure; medians) of
-the Mosaic GPU INT2 decode against cuDNN BF16, XLA einsum BF16 and an XLA copy, in one run.
+the Mosaic GPU INT2 / INT4 decode (variant key bits=4) against cuDNN BF16, XLA einsum BF16 and an XLA copy, in one run.
 
 Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128. INT2: L - 128 quantized
 tokens + a 160-slot ring with 128 valid. For small shapes every implementation runs over

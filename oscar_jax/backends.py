@@ -9,7 +9,7 @@ registration code. Names are the same for every op:
 - ``"xla"``: the pure-JAX reference (any device);
 - ``"triton"``: the Pallas kernels lowered through Triton (``pallas_kernels``; Pallas
   interpret mode without a GPU). ``"pallas"`` is accepted as another name for it.
-- ``"mosaic"``: the Pallas Mosaic GPU INT2 decode kernel (``decode_attention`` and the
+- ``"mosaic"``: the Pallas Mosaic GPU INT2 / INT4 decode kernel (``decode_attention`` and the
   sequence shard's ``quantized_partial``; jax >= 0.11.2 and a Hopper GPU, else a
   ValueError on lookup); it reads a cache of ``KVQuantConfig(layout="record")`` as it is
   and refuses a planar one.

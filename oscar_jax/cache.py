@@ -24,10 +24,10 @@ quantized part is empty and the ring has S = max_len slots (no flush).
 
 Lq is rounded up to a multiple of max(G, 256) tokens, the decode kernel's tile.
 
-``cfg.layout == "record"`` (INT2, G = 32, D = 128, 16-bit parameters) stores the
-quantized part as the Mosaic GPU decode kernel reads it (``oscar_jax.record``):
-k_codes holds the records rec [B, H, Lq/64, 1600] uint32, k_norm the norms
-kn [B, H, Lq] float32, and k_scale, k_zero, v_codes, v_scale, v_zero are empty
+``cfg.layout == "record"`` (INT2 or INT4, G = 32, D = 128, 16-bit parameters) stores the
+quantized part as the Mosaic GPU decode kernel reads it (``oscar_jax.record``): k_codes
+holds the records rec [B, H, Lq/64, W] uint32 (W = 1600 at INT2, 2560 at INT4), k_norm the
+norms kn [B, H, Lq] float32, and k_scale, k_zero, v_codes, v_scale, v_zero are empty
 (length 0 along the token axis); ``rec`` / ``kn`` name them. The records are an
 exact permutation of the planar arrays: prefill and the flushes write the same
 bits as ``record.planar_to_record`` of the planar cache given the same writes.
@@ -144,7 +144,7 @@ class KVCache:
 
     @property
     def rec(self) -> Array:
-        """[B, H, Lq/64, 1600] uint32: the records of a layout='record' cache."""
+        """[B, H, Lq/64, W] uint32: the records of a layout='record' cache."""
         check_layout(self, "record", "rec")
         return self.k_codes
 

@@ -58,14 +58,14 @@ class KVQuantConfig:
       norm_dtype: dtype of the stored token norms.
       layout: how the quantized part is stored. ``"planar"``: codes, scales, zeros and
         norms in separate arrays (``oscar_jax.cache``), read by the "xla" and "triton"
-        backends. ``"record"``: one 1600-word record per 64 tokens and float32 norms
-        (``oscar_jax.record``), what the "mosaic" decode backend reads without a
-        conversion; INT2, group_size 32, float16/bfloat16 parameters and head_dim 128 only
-        (``record_reason``). ``"auto"`` (default): decided when a cache is made
-        (``oscar_jax.storage_layout``): "record" where the decode attention would read it
-        with the Mosaic kernel (a Hopper GPU, a covered config; the fastest decode step
-        measured there), "planar" everywhere else. A cache's config always names a
-        concrete layout.
+        backends. ``"record"``: one record per 64 tokens (1600 words at INT2, 2560 at
+        INT4) and float32 norms (``oscar_jax.record``), what the "mosaic" decode backend
+        reads without a conversion; INT2 or INT4, group_size 32, float16/bfloat16
+        parameters and head_dim 128 only (``record_reason``). ``"auto"`` (default):
+        decided when a cache is made (``oscar_jax.storage_layout``): "record" where the
+        decode attention would read it with the Mosaic kernel (a Hopper GPU, a covered
+        config; the fastest decode step measured there), "planar" everywhere else. A
+        cache's config always names a concrete layout.
     """
 
     method: str = "oscar"

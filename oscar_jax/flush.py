@@ -50,8 +50,8 @@ def split_rows(x: Array, n: int, j: int) -> Array:
 
 class Flush(NamedTuple):
     """One cache's pending flush: encoded groups [B, H, G, ...], nq [B], rows flushing [B];
-    for a layout='record' cache the groups' half-record words [B, H, 1600] (or None:
-    computed at the write)."""
+    for a layout='record' cache the groups' half-record words [B, H, W] (W =
+    ``record.record_words(bits)``; or None: computed at the write)."""
 
     ek: EncodedKeys
     ev: EncodedValues

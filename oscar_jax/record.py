@@ -1,4 +1,4 @@
-"""The "record" layout of the INT2 / INT4 quantized cache: what the Mosaic GPU decode kernel reads.
+"""The "record" layout of the INT2 / INT4 quantized cache, which the Mosaic GPU kernel reads.
 
 A cache made with ``KVQuantConfig(layout="record")`` holds its quantized part as one record
 per 64 tokens per (row, KV head) -- 1600 uint32 words at INT2, 2560 at INT4

@@ -121,7 +121,7 @@ def encode_groups(kg, vg, flush: Array, nq: Array, cfg: KVQuantConfig, implement
     """Encode groups [B, H, G, D] when a row flushes (a ``lax.cond`` of small outputs).
 
     -> (EncodedKeys, EncodedValues, overflow [B]: a flushing row whose encoding is not
-    finite, words: for a layout='record' config the half-record words [B, H, 1600] of the
+    finite, words: for a layout='record' config the half-record words [B, H, W] of the
     groups stored at quantized position nq [B] (``record.flush_words``), else None).
     Without a flushing row the encoder is skipped (zeros returned).
     """
@@ -191,7 +191,7 @@ def write_groups(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0,
 def _write_records(cache: KVCache, ek, ev, nq: Array, flush: Array, q_offset=0,
                    words: Array | None = None) -> KVCache:  # fmt: skip
     """``write_groups`` of a layout='record' cache: each flushing row's group becomes one half
-    of record nq // 64 (read, merged by the half's word mask, written back: one 1600-word
+    of record nq // 64 (read, merged by the half's word mask, written back: one
     record per (row, head)), its norms go to kn[nq : nq + G] as float32."""
     rec, tile = cache.k_codes, record.TILE
     words, mask, norm = record.group_update(ek, ev, nq, cache.num_kv_heads, words=words,

@@ -1,4 +1,4 @@
-"""INT2 split-K decode attention in Pallas Mosaic GPU (Hopper, sm_90): an experimental kernel.
+"""INT2 / INT4 split-K decode attention in Pallas Mosaic GPU (Hopper, sm_90).
 
 The "mosaic" backend of ``oscar_jax.decode_attention`` (``backend``): it reads the
 "record" layout (below; ``oscar_jax.record``), which a cache of
@@ -6,14 +6,16 @@ The "mosaic" backend of ``oscar_jax.decode_attention`` (``backend``): it reads t
 it), so a call reads the cache as it is. A planar cache is refused, or converted on every
 call with ``decode_attention_mosaic(..., convert=True)`` (exact, but it reads and writes the
 whole quantized part: a check of the kernel, not for speed). The kernel's own timings and
-where its time goes: BENCHMARKS.md, "Mosaic GPU decode (experimental)".
-Covered: INT2, head_dim 128, G = 32, 16-bit parameters, GQA ratio <= 16, per-head or
-per-token norms (``unsupported_reason``). The kernels need jax >= 0.11.2; the layout
-functions run on any backend. Modules: ``_config`` (``Int2DecodeConfig``), ``_dequant``
-(in-register unpack into wgmma fragments), ``_kernel`` (the split-K partials), ``_merge`` (the
-ring and LSE merge, in XLA or a second launch), ``_cache`` (the cache in, the output out),
-``backend`` (the backend table's entry; fails to import where the kernel cannot run). Entry
-points (the record layout itself: ``oscar_jax.record``):
+where its time goes: BENCHMARKS.md, "Mosaic GPU decode". Covered: INT2 and INT4 (records
+of 1600 / 2560 words; the kernel reads the width from the record), head_dim 128, G = 32,
+16-bit parameters, GQA ratio <= 16, per-head or per-token norms (``unsupported_reason``).
+The ``int2_*`` names are historical: they take either width. The kernels need jax >=
+0.11.2; the layout functions run on any backend. Modules: ``_config``
+(``Int2DecodeConfig``), ``_dequant`` (in-register unpack into wgmma fragments), ``_kernel``
+(the split-K partials), ``_merge`` (the ring and LSE merge, in XLA or a second launch),
+``_cache`` (the cache in, the output out), ``backend`` (the backend table's entry; fails to
+import where the kernel cannot run). Entry points (the record layout itself:
+``oscar_jax.record``):
 
   * ``fragment_layout(k_codes, k_scale, k_zero, k_norm, v_codes, v_scale, v_zero, *,
     param_dtype, block_tokens) -> (rec, kn)``: planar cache arrays -> this kernel's layout
@@ -39,20 +41,21 @@ Kernel design (one CTA = one warpgroup of 128 threads = one (b, h, split)):
     O^T[D, 16] += V^T[D, 64 tok] @ P^T[64 tok, 16] (two M = 64 channel halves for D = 128;
     P^T goes registers -> shared memory -> wgmma B operand).
   * The A operands (K, V^T) are dequantized in registers straight into the wgmma
-    register-fragment layout: each thread reads its own 16 bytes of codes (one LDS.128)
-    and turns them into f16x2 / bf16x2 pairs by shift, AND/OR onto the magic number
-    (0x6400 f16 = 1024, 0x4300 bf16 = 128), subtract the magic (exact), one FMA with the
-    scale/zero pair. No layout conversion, no shared-memory round trip of the operand.
+    register-fragment layout: each thread reads its own 16 bytes of codes a tensor at INT2
+    (one LDS.128; 32 bytes, two loads, at INT4) and turns them into f16x2 / bf16x2 pairs
+    (``_dequant.plane_plan``, emulated per thread on the CPU) by shift, AND/OR onto the
+    magic number (0x6400 f16 = 1024, 0x4300 bf16 = 128), subtract the magic (exact), one
+    FMA with the scale/zero pair. No layout conversion, no shared-memory round trip of the operand.
   * The cache is read as one "record" per 64 tokens (codes + scales + zeros of K and V,
-    1600 uint32 words, permuted at quantize time so that every thread's parameters are
-    16-byte vectors) plus a f32 norm vector: two TMA copies per block, pipelined by
-    ``plgpu.emit_pipeline``.
+    1600 uint32 words at INT2 and 2560 at INT4, permuted at quantize time so that every
+    thread's parameters are 16-byte vectors) plus a f32 norm vector: two TMA copies per
+    block, pipelined by ``plgpu.emit_pipeline``.
   * Online softmax (base 2, log2(e) folded into the query) per block of ``block_tokens``;
     the row sums are kept per element and reduced once at the end.
 
 The record layout of a 64-token tile and the norms' shape: ``oscar_jax.record``'s docstring.
 Head_dim 128, G = 32 (key token groups and value channel groups), 16-bit parameters
-(float16 or bfloat16, the dequantization dtype follows them) only.
+(float16 or bfloat16, the dequantization dtype follows them), INT2 or INT4 only.
 """
 
 from oscar_jax.record import (

@@ -76,12 +76,11 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     call (exact, but it reads and writes the whole quantized part: a check of the kernel,
     not for speed). The query is rotated in XLA; the ring and the merge: ``merge="xla"`` by
     ``merge_partials_with_ring``, ``"mosaic"`` by the second Mosaic launch
-    (``int2_decode_attention_2launch``; values must not be rotated), ``"auto"`` XLA: the
-    merge timed end to end (BENCHMARKS.md). The second launch is right at 16-48 rows x 8 KV
-    heads since its proxy fence between its two pipelines (``tests/test_decode_mosaic.py``,
-    many-row GPU tests); it becomes the default once timed against the XLA merge end to end
-    (``benchmarks.bench_e2e --caches oscar2:mosaic,oscar2:mosaic2``). NaN for FLAG_NONFINITE
-    rows as the library's attention. ValueError for a cache ``unsupported_reason`` names.
+    (``int2_decode_attention_2launch``; values must not be rotated), ``"auto"`` XLA: end to
+    end the XLA merge is 3% faster at 1 x 128K and level at the largest batch at 32K
+    (BENCHMARKS.md, both merges in one run). INT2 or INT4 records (the cache's bits). NaN for
+    FLAG_NONFINITE rows as the library's attention. ValueError for a cache
+    ``unsupported_reason`` names.
     """
     g = att.check_query(q, cache)
     reason = unsupported_reason(cache, g, convert)

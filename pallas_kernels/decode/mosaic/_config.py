@@ -1,4 +1,4 @@
-"""The Mosaic GPU INT2 decode kernel's constants and tuning (``Int2DecodeConfig``)."""
+"""The Mosaic GPU INT2 / INT4 decode kernel's constants and tuning (``Int2DecodeConfig``)."""
 
 from __future__ import annotations
 

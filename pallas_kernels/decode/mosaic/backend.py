@@ -1,4 +1,4 @@
-"""The "mosaic" backend of ``oscar_jax.decode_attention``: the Mosaic GPU INT2 kernel
+"""The "mosaic" backend of ``oscar_jax.decode_attention``: the Mosaic GPU INT2 / INT4 kernel
 (``pallas_kernels.decode.mosaic``) over a layout='record' cache.
 
 Importing this module fails (ImportError) where the kernel cannot run: jax < 0.11.2, or no
