@@ -255,7 +255,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="prompts per (length, depth), each a different passkey and filler "
                         "(default: %(default)s)")  # fmt: skip
     e.add_argument("--niah-batch", type=int, default=None,
-                   help="prompts per generate call (default: a whole group)")  # fmt: skip
+                   help="prompts per generate call (default: a whole group, fewer where the "
+                        "prompt's dense attention scores would pass 2 GiB)")  # fmt: skip
     e.add_argument("--niah-group", default="auto", choices=("auto", "length", "all"),
                    help="batch NIAH prompts per length, or all lengths in one program "
                         "(default: all off-CPU, where compiling dominates)")  # fmt: skip

@@ -71,12 +71,26 @@ def groups(prompts: list[dict], group: str = "length") -> list[list[dict]]:
     return [[p for p in prompts if p["length"] == n] for n in lengths]
 
 
+SCORES_BYTES = 2 << 30  # the prompt's dense [B, H, L, L] float32 scores a default batch holds
+
+
+def default_batch(m, prompts) -> int:
+    """Prompts a generate call takes when none is asked for: the whole group, capped so that
+    the prompt's dense attention scores (float32 [B, num_heads, L, L]; the prefill holds a
+    few such tensors) stay within ``SCORES_BYTES``: 30 prompts of 8,000 tokens of a 9-head
+    model would need 64 GB for one of them."""
+    longest = max(len(p["ids"]) for p in prompts)
+    per_prompt = 4 * m.config.num_heads * longest * longest
+    return max(1, min(len(prompts), SCORES_BYTES // per_prompt))
+
+
 def _batches(m, prompts, batch, max_new):
     """(ids [batch, longest], lengths [batch], rows, max_len) per batch of one group, the
-    last padded by repetition (the same shapes for every batch: one compilation)."""
-    batch = len(prompts) if batch is None else batch
+    last padded by repetition (the same shapes for every batch: one compilation). ``batch``
+    None: ``default_batch``."""
+    batch = default_batch(m, prompts) if batch is None else batch
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"{batch=} must be a positive int or None (all prompts at once)")
+        raise ValueError(f"{batch=} must be a positive int or None (the default batch)")
     longest = max(len(p["ids"]) for p in prompts)
     max_len = bucket_length(longest) + max_new
     for i in range(0, len(prompts), batch):

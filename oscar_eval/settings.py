@@ -31,7 +31,8 @@ class Settings:
     niah_lengths: tuple[int, ...] | None = None  # None: NIAH_LENGTHS within the context
     niah_depths: tuple[int, ...] = tuple(range(0, 101, 10))
     niah_trials: int = 2  # prompts per (length, depth) cell
-    niah_batch: int | None = None  # prompts per generate call; None: a whole group
+    niah_batch: int | None = None  # prompts per generate call; None: a whole group, capped by
+    # the prompt's attention scores' memory (oscar_eval.niah.default_batch)
     niah_group: str = "auto"  # "length" / "all" (see eval_niah.groups); auto: all off-CPU
     niah_seed: int = 918_273
     niah_new_tokens: int = 8

@@ -173,3 +173,25 @@ def test_methods_needle_calibrates_as_the_evaluation(chat_dir, capsys):
     assert set(rows) == {"bf16", "kvquant2_r16_g16"}
     assert rows["kvquant2_r16_g16"].shape == (1,) and np.isfinite(rows["kvquant2_r16_g16"]).all()
     assert abs(rows["kvquant2_r16_g16"][0] - rows["bf16"][0]) > 1e-4  # the cache was quantized
+
+
+def test_default_batch_caps_the_prompts_dense_scores(monkeypatch):
+    """With no batch asked for, a group runs whole unless the prompt's float32 [B, H, L, L]
+    attention scores would pass SCORES_BYTES (30 prompts of 8,000 tokens of a 9-head model:
+    64 GB, which ran out of an H200's memory), and every batch keeps one shape."""
+
+    class M:
+        class config:  # noqa: N801  (a stand-in for models.CausalLM.config)
+            num_heads = 9
+
+    short = [{"ids": [1] * 1000, "length": 1024}] * 30
+    long = [{"ids": [1] * 7997, "length": 8000}] * 30
+    assert eval_niah.default_batch(M, short) == 30  # 1.1 GB at 30 prompts: whole
+    assert eval_niah.default_batch(M, long) == 1  # 2.3 GB a prompt: one at a time
+    monkeypatch.setattr(eval_niah, "SCORES_BYTES", 4 * 9 * 7997 * 7997 * 7)
+    assert eval_niah.default_batch(M, long) == 7
+    shapes = {ids.shape for ids, *_ in eval_niah._batches(M, long, None, 8)}
+    assert shapes == {(7, 7997)}  # 5 batches, the last padded by repetition
+    assert sum(k for *_, k, _ in eval_niah._batches(M, long, None, 8)) == 30
+    with pytest.raises(ValueError, match="batch=0"):
+        next(eval_niah._batches(M, long, 0, 8))
