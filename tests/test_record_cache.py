@@ -179,8 +179,9 @@ def test_mosaic_backend_lookup():
         oj.decode_attention(query(6, 2, 4, D), rec, implementation="mosaic")
 
 
-def test_record_cache_saves_and_loads_bit_for_bit(tmp_path):
-    _, rec = _caches(8, [300, 517], param_dtype="bfloat16")
+@pytest.mark.parametrize("bits", [2, 4])
+def test_record_cache_saves_and_loads_bit_for_bit(tmp_path, bits):
+    _, rec = _caches(8, [300, 517], param_dtype="bfloat16", bits=bits)
     path = oj.save_state(tmp_path / "rec.safetensors", rec)
     back = oj.load_state(path)
     assert back.cfg == rec.cfg
@@ -213,21 +214,23 @@ def test_conversion_is_exact_both_ways_and_keeps_the_pytree():
     )
 
 
-def test_sequence_sharded_record_cache_equals_unsharded():
+@pytest.mark.parametrize("bits", [2, 4])
+def test_sequence_sharded_record_cache_equals_unsharded(bits):
     """Records split over the sequence axis (whole records a shard): prefill, appends with
     flushes (shard-aware record writes) and the XLA attention per shard equal one device."""
     if len(jax.devices()) < 8:
         pytest.skip("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8")
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 2, 4), ("data", "model", "sequence"))
     b, h = 2, 2
-    cfg = oj.preset("oscar", bits=2, layout="record")
+    cfg = oj.preset("oscar", bits=bits, layout="record")
     c = oj.init_cache(cfg, batch=b, max_len=128 + 1024, num_kv_heads=h, head_dim=D)
     k, v = kv_with_sinks(11, b, 700, h, D, jnp.bfloat16)
     lengths = jnp.array([700, 229])
     ref = oj.prefill(c, k, v, lengths)
     sh = osh.cache_shardings(ref, mesh)
     cs = jax.jit(oj.prefill, out_shardings=sh)(c, k, v, lengths)
-    assert cs.rec.addressable_shards[0].data.shape == (b, 1, 1024 // 64 // 4, record.WORDS)
+    want = (b, 1, 1024 // 64 // 4, record.record_words(bits))
+    assert cs.rec.addressable_shards[0].data.shape == want
     dec = jax.jit(lambda q, c: osh.sharded_decode_attention(q, c, mesh))
     app = jax.jit(lambda c, k, v: osh.sharded_append(c, k, v, mesh), out_shardings=sh)
     ref_app = jax.jit(oj.append)
