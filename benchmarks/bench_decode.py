@@ -313,7 +313,7 @@ def plot(results, path):
         return False
     names = ["mosaic int2", "int2", "mosaic int4", "triton int4", "bf16 pallas (ours)",
              "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]  # fmt: skip
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     colors = dict(zip(names, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     markers = "os^Dv"  # one marker per batch size, one colour per implementation
     for i, b in enumerate(sorted({int(s.split("x")[0]) for s in results})):
@@ -324,12 +324,13 @@ def plot(results, path):
             pts = [(c, r[n]["ms"]) for c, r in rows if "ms" in r.get(n, {})]
             if len(pts):
                 ax.plot(*zip(*pts, strict=True), marker=markers[i % len(markers)],
-                        color=colors[n], label=f"{n} (batch {b})")  # fmt: skip
+                        color=colors[n],
+                        label=f"{'triton int2' if n == 'int2' else n} (batch {b})")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length")
     ax.set_ylabel("ms per decode step (one layer)")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
