@@ -158,6 +158,21 @@ def run_shape(b, ctx, args, log):
     k_bl, v_bl = jnp.swapaxes(k_hm, 1, 2), jnp.swapaxes(v_hm, 1, 2)
     bf_bytes = 2 * k_hm.size * 2
     T = lambda f, ops: device_time(f, q, args.reps, args.calls, ops, args.unroll)  # noqa: E731
+
+    def timed_row(name, f, ops, nbytes, ref_cache=None, **extra):
+        """res[name]: f(q, *ops) timed and, with --check and a ``ref_cache``, its max error
+        against the XLA reference over that cache; a failure is reported in the row."""
+        try:
+            res[name] = dict(ms=T(f, ops) * 1e3, bytes=nbytes, **extra)
+            if args.check and ref_cache is not None:
+                ref = oj.decode_attention(q, ref_cache, implementation="xla").astype(jnp.float32)
+                out = f(q, *ops).astype(jnp.float32)
+                err = jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
+                res[name]["max_rel"] = float(err)
+        except Exception as e:  # noqa: BLE001  (report and continue)
+            res[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
+        log(f"{b}x{ctx} {name}: {res[name]}")
+
     # the defaults first, always: they are the "int2" row of the table and the plot
     variants = [{}] + [ov for ov in json.loads(args.variants or "[]") if ov]
     if args.variant_shapes and f"{b}x{ctx}" not in args.variant_shapes.split(","):
@@ -166,20 +181,8 @@ def run_shape(b, ctx, args, log):
         name = "int2" if i == 0 else "int2 " + json.dumps(ov, sort_keys=True)
         ov = dict(ov)
         cv = int2_cache(ov.pop("param_dtype", args.param_dtype))  # a cache option
-        try:
-            t = T(
-                lambda qq, c, ov=ov: oj.decode_attention(qq, c, implementation="pallas", **ov),
-                (cv,),
-            )
-            res[name] = dict(ms=t * 1e3, bytes=int2_bytes(cv), opts=ov)
-            if args.check:
-                out = oj.decode_attention(q, cv, implementation="pallas", **ov)
-                ref = oj.decode_attention(q, cv, implementation="xla").astype(jnp.float32)
-                err = jnp.max(jnp.abs(out.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref))
-                res[name]["max_rel"] = float(err)
-        except Exception as e:  # noqa: BLE001  (report and continue)
-            res[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-        log(f"{b}x{ctx} {name}: {res[name]}")
+        f = lambda qq, c, ov=ov: oj.decode_attention(qq, c, implementation="pallas", **ov)  # noqa: E731
+        timed_row(name, f, (cv,), int2_bytes(cv), cv, opts=ov)
     peers = {  # name -> (fn(q, *operands), operands)
         "bf16 pallas (ours)": (
             lambda qq, c: oj.decode_attention(qq, c, implementation="pallas"),
@@ -215,39 +218,15 @@ def run_shape(b, ctx, args, log):
         c4 = oj.init_cache(oj.preset("oscar", bits=4), batch=b, max_len=ctx, num_kv_heads=HKV,
                            head_dim=D)  # fmt: skip
         c4 = jax.jit(oj.prefill)(c4, k, v)
-        try:
-            t = T(lambda qq, c: oj.decode_attention(qq, c, implementation="pallas"), (c4,))
-            res["triton int4"] = dict(ms=t * 1e3, bytes=int2_bytes(c4))
-            if args.check:
-                out = oj.decode_attention(q, c4, implementation="pallas").astype(jnp.float32)
-                ref = oj.decode_attention(q, c4, implementation="xla").astype(jnp.float32)
-                res["triton int4"]["max_rel"] = float(
-                    jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
-                )
-        except Exception as e:  # noqa: BLE001  (report and continue)
-            res["triton int4"] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-        log(f"{b}x{ctx} triton int4: {res['triton int4']}")
+        f = lambda qq, c: oj.decode_attention(qq, c, implementation="pallas")  # noqa: E731
+        timed_row("triton int4", f, (c4,), int2_bytes(c4), c4)
         del c4
     for mos_name, knobs, bits in mosaics:
         (f, ops), mbytes = mosaic_call(b, ctx, k, v, knobs, bits)
-        try:
-            res[mos_name] = dict(ms=T(f, ops) * 1e3, bytes=mbytes, opts=knobs)
-            if args.check:
-                ref = oj.decode_attention(q, ops[-1], implementation="xla").astype(jnp.float32)
-                out = f(q, *ops).astype(jnp.float32)
-                res[mos_name]["max_rel"] = float(
-                    jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref))
-                )
-        except Exception as e:  # noqa: BLE001  (report and continue)
-            res[mos_name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-        log(f"{b}x{ctx} {mos_name}: {res[mos_name]}")
+        timed_row(mos_name, f, ops, mbytes, ops[-1], opts=knobs)
         del f, ops
     for name, (f, ops) in peers.items():
-        try:
-            res[name] = dict(ms=T(f, ops) * 1e3, bytes=bf_bytes)
-        except Exception as e:  # noqa: BLE001
-            res[name] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
-        log(f"{b}x{ctx} {name}: {res[name]}")
+        timed_row(name, f, ops, bf_bytes)
     gq = {n: r for n, r in res.items() if n.startswith("pallas gqa") and "ms" in r}
     if gq:
         best = min(gq, key=lambda n: gq[n]["ms"])
@@ -266,19 +245,23 @@ def run_shape(b, ctx, args, log):
     return res
 
 
+def label(name: str) -> str:
+    """A result row's name as tables and plots show it ("int2" is the Triton INT2 kernel)."""
+    return "triton int2" if name == "int2" else name
+
+
 def table(results, copy_bw, header):
     bf_cols = ["bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
     int_cols = [c for c in ("mosaic int2", "int2", "mosaic int4", "triton int4")
                 if any(c in r for r in results.values())]  # fmt: skip
     cols = int_cols + bf_cols
-    names = {"int2": "triton int2", "mosaic int2": "mosaic int2", "mosaic int4": "mosaic int4",
-             "triton int4": "triton int4"}  # fmt: skip
+    names = {c: label(c) for c in cols}
     extra_h = [f"fastest BF16 / {names[c]} | {names[c]} GB/s (% of copy)" for c in int_cols]
     lines = [
         header,
         "",
         "| batch x context | "
-        + " | ".join(names.get(c, c) for c in cols)
+        + " | ".join(names[c] for c in cols)
         + " | "
         + " | ".join(extra_h)
         + " |",
@@ -324,8 +307,7 @@ def plot(results, path):
             pts = [(c, r[n]["ms"]) for c, r in rows if "ms" in r.get(n, {})]
             if len(pts):
                 ax.plot(*zip(*pts, strict=True), marker=markers[i % len(markers)],
-                        color=colors[n],
-                        label=f"{'triton int2' if n == 'int2' else n} (batch {b})")  # fmt: skip
+                        color=colors[n], label=f"{label(n)} (batch {b})")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length")

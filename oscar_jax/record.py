@@ -62,8 +62,9 @@ RECORD_VERSION = 1  # bump when a permutation changes (saved files name it)
 
 
 def record_words(bits: int = 2) -> int:
-    """uint32 words per record: 1600 for INT2 (25 x 64), 2560 for INT4 (40 x 64)."""
-    return 1536 + 64 if bits == 2 else 2560
+    """uint32 words per record: 1600 for INT2 (25 x 64, the last 64 a pad), 2560 for INT4
+    (40 x 64)."""
+    return {2: 1600, 4: 2560}[bits]
 
 
 def offsets(bits: int = 2) -> tuple[int, int, int, int]:
@@ -81,9 +82,8 @@ def bits_of(last_dim: int, what: str = "record") -> int:
                      f"{[record_words(b) for b in BITS]} (INT2, INT4 records)")  # fmt: skip
 
 
-WORDS = record_words(2)  # the INT2 record (the defaults of the names below)
+WORDS = record_words(2)  # the INT2 record's
 OFFSETS = offsets(2)
-_KC, _VC, _KP, _VP = OFFSETS
 
 
 def pairs_per_word(bits: int) -> int:
@@ -165,7 +165,6 @@ def fragment_layout(k_codes, k_scale, k_zero, k_norm, v_codes, v_scale, v_zero, 
             f"k_codes.shape={k_codes.shape} must be [B, H, Lq, {D // 4} or {D // 2}] (INT2, "
             f"INT4), Lq % {G} = 0"
         )
-    kc_, vc_, _, _ = offsets(bits)
     kt, kch, vt, vch = _code_tables(bits)
     lp = -(-lq // block_tokens) * block_tokens
     pad = lp - lq
@@ -262,9 +261,6 @@ def half_words(bits: int = 2) -> np.ndarray:
         m[half, kp_ + 128 * half : kp_ + 128 * (half + 1)] = True
         m[half, vp_ + 128 * half : vp_ + 128 * (half + 1)] = True
     return m
-
-
-HALF_WORDS = half_words(2)
 
 
 def group_words(

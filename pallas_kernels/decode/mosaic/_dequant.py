@@ -60,7 +60,7 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
     magic, mvalue, _ = MAGIC[jnp.dtype(pdt).name]
     _kc, _vc, _kp, _vp = offsets(bits)
     ppw = pairs_per_word(bits)  # f16x2 registers a code word fills
-    nvec = bits // 2  # 16-byte loads of code words a thread a tensor
+    nwords = 32 // ppw  # code words a thread a tensor (its 32 fragment registers)
 
     def ctypes():
         i32 = ir.IntegerType.get_signless(32)
@@ -158,7 +158,7 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
         [64, 128], or with ``half`` in (0, 1) its channels 64 half.. (fewer live registers)."""
         shifted.clear()
         tid, w, j = tids()
-        cw = code_words(rec_ref, row, _kc, tid, 16 // ppw * 2)
+        cw = code_words(rec_ref, row, _kc, tid, nwords)
         g = arith.divui(w, c32(2))
         base = arith.addi(c32(_kp), arith.muli(g, c32(128)))
         sbase = arith.addi(base, arith.muli(j, c32(16)))
@@ -186,7 +186,7 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
         """V^T tiles (channels x tokens) [64, 64] for the channel halves ``mts``."""
         shifted.clear()
         tid, w, j = tids()
-        cw = code_words(rec_ref, row, _vc, tid, 32 // ppw)
+        cw = code_words(rec_ref, row, _vc, tid, nwords)
         layout = fa.WGMMA_LAYOUT
         outs = []
         for mt in mts:
@@ -210,8 +210,8 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
     def stream_touch(ctx, rec_ref, row):
         """Stage 'stream': XOR of this thread's K and V code words (keeps the loads live)."""
         tid, w, j = tids()
-        a = code_words(rec_ref, row, _kc, tid, 4 * nvec)
-        bw = code_words(rec_ref, row, _vc, tid, 4 * nvec)
+        a = code_words(rec_ref, row, _kc, tid, nwords)
+        bw = code_words(rec_ref, row, _vc, tid, nwords)
         x = a[0]
         for v in a[1:] + bw:
             x = arith.xori(x, v)
