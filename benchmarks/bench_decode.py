@@ -1,4 +1,5 @@
-"""Decode-attention benchmark: one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128).
+"""Decode-attention benchmark: one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128;
+``--layer`` sets another, e.g. ``32x8x64`` or ``32x8x256`` for the other head sizes).
 
 Implementations: our INT2 Pallas kernel, our BF16 Pallas kernel, XLA einsum (BF16),
 cuDNN (``jax.nn.dot_product_attention(implementation="cudnn")``), Pallas
@@ -12,7 +13,7 @@ over ``calls`` host calls of each is used. Unrolling matters at small shapes: an
 GPU while loop costs ~10-20 us per iteration (the trip predicate goes to the host), as
 much as a 1 x 4K call; ``--unroll 1`` times one call per iteration.
 
-    python3 -m benchmarks.bench_decode --out out/decode [--check] \
+    python3 -m benchmarks.bench_decode --out out/decode [--check] [--layer 32x8x128] \
         [--variants '[{"block_tokens":128,"num_warps":4}]'] [--shapes 1x131072,8x32768]
 """
 
@@ -32,7 +33,7 @@ import oscar_jax as oj
 from pallas_kernels.decode import config as pcfg
 from pallas_kernels.decode import mosaic as mk
 
-HQ, HKV, D = 32, 8, 128
+HQ, HKV, D = 32, 8, 128  # the layer (``--layer`` sets them for the run)
 SHAPES = ((1, 131072), (8, 32768), (48, 4096), (1, 4096))
 
 
@@ -119,7 +120,7 @@ def mosaic_call(b, ctx, k, v, knobs, bits=2):
     kcfg = oj.preset("oscar", bits=bits, rotate_values=False)
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
     # the backend's defaults for this capacity and width, with the knobs given
-    cfg = dataclasses.replace(mk.default_config(c.quant_capacity, bits), **knobs)
+    cfg = dataclasses.replace(mk.default_config(c.quant_capacity, bits, D), **knobs)
     c = jax.jit(oj.prefill)(c, k, v)
     rec, kn, nq, ring_valid = jax.jit(lambda c: mk.kernel_inputs(c, block_tokens=cfg.block_tokens))(
         c
@@ -135,7 +136,8 @@ def mosaic_call(b, ctx, k, v, knobs, bits=2):
         return out.reshape(q.shape).astype(q.dtype)
 
     nrec = np.asarray(-(-nq // 64), np.int64)
-    nbytes = int(np.sum(nrec) * HKV * (mk.record_words(bits) * 4 + 64 * 4)) + 2 * c.k_res.size * 2
+    per_rec = mk.record_words(bits, D) * 4 + 64 * 4  # a record and its norms
+    nbytes = int(np.sum(nrec) * HKV * per_rec) + 2 * c.k_res.size * 2
     return (fn, (rec, kn, nq, c.k_res, c.v_res, ring_valid, c)), nbytes
 
 
@@ -318,6 +320,13 @@ def plot(results, path):
     return True
 
 
+def layer_name(layer: str) -> str:
+    """'32x8x128' -> '32 q heads, 8 KV heads, D 128 (Qwen3-8B shape)'."""
+    hq, hkv, d = (int(x) for x in layer.split("x"))
+    return f"{hq} q heads, {hkv} KV heads, D {d}" + (
+        " (Qwen3-8B shape)" if (hq, hkv, d) == (32, 8, 128) else "")  # fmt: skip
+
+
 def render_saved(paths, out):
     """Merge earlier runs' results (per shape, later paths win) into one table and plot."""
     saved = [json.load(open(p)) for p in paths]
@@ -326,7 +335,7 @@ def render_saved(paths, out):
         results.update(d["results"])
     rates = ", ".join(f"{d['copy_bytes_per_s'] / 1e9:.0f}" for d in saved)
     header = (
-        f"Decode attention, one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128), "
+        f"Decode attention, one layer of {layer_name(saved[0].get('layer', '32x8x128'))}, "
         f"{saved[0]['device']}, jax {saved[0]['jax']}; merged from {', '.join(paths)} "
         f"(device copies in those runs: {rates} GB/s; the table uses the first)."
     )
@@ -365,6 +374,8 @@ def main():
     ap.add_argument(
         "--triton4", action="store_true", help="also time the Triton kernel over an INT4 cache"
     )
+    ap.add_argument("--layer", default="32x8x128",
+                    help="query heads x KV heads x head_dim (Qwen3-8B: 32x8x128)")  # fmt: skip
     ap.add_argument("--copy-mib", type=int, default=2048)
     ap.add_argument("--gqa-splits", default="8,16,32", help="k_splits tried for Pallas gqa")
     ap.add_argument("--variant-shapes", default="", help="shapes that run all --variants")
@@ -373,6 +384,10 @@ def main():
         "their table and plot into --out (later files win per shape; copy rate of the first)"
     )  # fmt: skip
     args = ap.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = (int(x) for x in args.layer.split("x"))
+    if HQ % HKV:
+        raise ValueError(f"{args.layer=} must have query heads a multiple of KV heads")
     os.makedirs(args.out, exist_ok=True)
     if args.from_json:
         return render_saved(args.from_json.split(","), args.out)
@@ -391,7 +406,8 @@ def main():
     results = {}
 
     def save():  # after every shape: partial results survive a timeout
-        meta = dict(device=dev.device_kind, jax=jax.__version__, unroll=args.unroll)
+        meta = dict(device=dev.device_kind, jax=jax.__version__, unroll=args.unroll,
+                    layer=args.layer)  # fmt: skip
         with open(os.path.join(args.out, "decode_bench.json"), "w") as f:
             json.dump(dict(copy_bytes_per_s=bw, results=results, **meta), f, indent=1)
 
@@ -401,7 +417,7 @@ def main():
         results[s] = run_shape(b, c, args, log)
         save()
     header = (
-        f"Decode attention, one layer of Qwen3-8B shape (32 q heads, 8 KV heads, D 128), "
+        f"Decode attention, one layer of {layer_name(args.layer)}, "
         f"{dev.device_kind}, jax {jax.__version__}, "
         f"{time.strftime('%Y-%m-%d', time.gmtime())}; device-side per-call time "
         f"(median of {args.calls} host calls of {args.reps} loop steps x {args.unroll} "

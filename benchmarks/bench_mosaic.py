@@ -2,7 +2,8 @@
 """Device-side timing (CUPTI via jax.experimental.mosaic.gpu.profiler.measure; medians) of
 the Mosaic GPU INT2 / INT4 decode (variant key bits=4) against cuDNN BF16, XLA einsum BF16 and an XLA copy, in one run.
 
-Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128. INT2: L - 128 quantized
+Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128 (``HEAD_DIM=64`` or ``256`` in
+the environment for the other head sizes). INT2: L - 128 quantized
 tokens + a 160-slot ring with 128 valid. For small shapes every implementation runs over
 ``copies`` distinct input sets per timed call (sum of kernel times / copies), so that the
 working set is >= ~100 MB and not L2-resident.
@@ -26,7 +27,8 @@ from jax.experimental.mosaic.gpu import profiler
 from oscar_jax import quant
 from pallas_kernels.decode import mosaic as K
 
-HQ, HKV, DH, RING = 32, 8, 128, 160
+HQ, HKV, RING = 32, 8, 160
+DH = int(os.environ.get("HEAD_DIM", 128))
 ITERS = int(os.environ.get("ITERS", 20))
 rows = []
 
@@ -61,16 +63,16 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True, bits=2):
     tok = jnp.arange(lq)
     live = (tok[None, :] < nq[:, None])[:, None, :]  # [B, 1, Lq]
     top = 1 << bits
-    kc = jax.random.randint(ks_[0], (b, h, lq, 128), 0, top).astype(jnp.uint8)
-    vc = jax.random.randint(ks_[1], (b, h, lq, 128), 0, top).astype(jnp.uint8)
+    kc = jax.random.randint(ks_[0], (b, h, lq, DH), 0, top).astype(jnp.uint8)
+    vc = jax.random.randint(ks_[1], (b, h, lq, DH), 0, top).astype(jnp.uint8)
     kc = jnp.where(live[..., None], kc, 0)
     vc = jnp.where(live[..., None], vc, 0)
     gl = (jnp.arange(lq // K.G)[None, :] * K.G < nq[:, None])[:, None, :, None]
     k_scale = jnp.where(
-        gl, jax.random.uniform(ks_[2], (b, h, lq // K.G, 128), minval=0.02, maxval=0.2), 0
+        gl, jax.random.uniform(ks_[2], (b, h, lq // K.G, DH), minval=0.02, maxval=0.2), 0
     )
     k_zero = jnp.where(
-        gl, -(top - 1) / 2 * k_scale + 0.05 * jax.random.normal(ks_[3], (b, h, lq // K.G, 128)), 0
+        gl, -(top - 1) / 2 * k_scale + 0.05 * jax.random.normal(ks_[3], (b, h, lq // K.G, DH)), 0
     )
     norm = jax.random.uniform(ks_[4], (b, h, lq), minval=0.5, maxval=2.0)
     if sinks:
@@ -80,11 +82,13 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True, bits=2):
         norm = jnp.where(big[None, None], 12.0, norm)
     norm = jnp.where(live, norm, 0)
     v_scale = jnp.where(
-        live[..., None], jax.random.uniform(ks_[5], (b, h, lq, 4), minval=0.05, maxval=1.0), 0
+        live[..., None],
+        jax.random.uniform(ks_[5], (b, h, lq, DH // K.G), minval=0.05, maxval=1.0),
+        0,
     )
     v_zero = jnp.where(
         live[..., None],
-        -(top - 1) / 2 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, 4)),
+        -(top - 1) / 2 * v_scale + 0.3 * jax.random.normal(ks_[6], (b, h, lq, DH // K.G)),
         0,
     )
     c = dict(
@@ -184,7 +188,7 @@ def run_shape(b, L, variants, copies):
         # bytes the kernel must read: records + norms of the quantized tokens, q, ring
         nrec = -(-nq_n // 64)
         int2_bytes = (
-            b * HKV * nrec * (K.record_words(bits) * 4 + 64 * 4) + 2 * b * HKV * RING * DH * 2
+            b * HKV * nrec * (K.record_words(bits, DH) * 4 + 64 * 4) + 2 * b * HKV * RING * DH * 2
         )
 
         @jax.jit

@@ -24,9 +24,10 @@ quantized part is empty and the ring has S = max_len slots (no flush).
 
 Lq is rounded up to a multiple of max(G, 256) tokens, the decode kernel's tile.
 
-``cfg.layout == "record"`` (INT2 or INT4, G = 32, D = 128, 16-bit parameters) stores the
-quantized part as the Mosaic GPU decode kernel reads it (``oscar_jax.record``): k_codes
-holds the records rec [B, H, Lq/64, W] uint32 (W = 1600 at INT2, 2560 at INT4), k_norm the
+``cfg.layout == "record"`` (INT2 or INT4, G = 32, D = 64, 128 or 256, 16-bit parameters)
+stores the quantized part as the Mosaic GPU decode kernel reads it (``oscar_jax.record``):
+k_codes holds the records rec [B, H, Lq/64, W] uint32 (W = ``record.record_words(bits, D)``:
+1600 at INT2, 2560 at INT4 for D = 128), k_norm the
 norms kn [B, H, Lq] float32, and k_scale, k_zero, v_codes, v_scale, v_zero are empty
 (length 0 along the token axis); ``rec`` / ``kn`` name them. The records are an
 exact permutation of the planar arrays: prefill and the flushes write the same
@@ -277,7 +278,7 @@ def init_cache(
     z = jnp.zeros
     lp = lq if cfg.layout == "planar" else 0  # the planar arrays' token axis
     if cfg.layout == "record":
-        nw = record.record_words(cfg.bits)
+        nw = record.record_words(cfg.bits, d)
         codes, norms = z((b, h, lq // record.TILE, nw), jnp.uint32), z((b, h, lq))
     else:
         codes, norms = z((b, h, lq, db), jnp.uint8), z((b, hn, lq), ndt)
@@ -489,7 +490,7 @@ def bytes_per_token(cache: KVCache) -> tuple[float, int]:
     if not cfg.quantized:
         return 0.0, res
     if cfg.layout == "record":  # a record per 64 tokens and a float32 norm, per head
-        return h * (record.record_words(cfg.bits) * 4 / record.TILE + 4), res
+        return h * (record.record_words(cfg.bits, d) * 4 / record.TILE + 4), res
     p = jnp.dtype(cfg.scale_dtype).itemsize
     hn = cache.k_norm.shape[1]
     per = 2 * h * d * cfg.bits / 8  # K and V codes

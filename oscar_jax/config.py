@@ -12,6 +12,8 @@ from typing import Any, Literal
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax import record
+
 Method = Literal["bf16", "kivi", "ots_only", "rotation_only", "oscar"]
 NormGranularity = Literal["per_head", "per_token"]
 RotationKind = Literal["hadamard", "randomized_hadamard", "random_orthogonal", "none"]
@@ -59,13 +61,13 @@ class KVQuantConfig:
       layout: how the quantized part is stored. ``"planar"``: codes, scales, zeros and
         norms in separate arrays (``oscar_jax.cache``), read by the "xla" and "triton"
         backends. ``"record"``: one record per 64 tokens (1600 words at INT2, 2560 at
-        INT4) and float32 norms (``oscar_jax.record``), what the "mosaic" decode backend
-        reads without a conversion; INT2 or INT4, group_size 32, float16/bfloat16
-        parameters and head_dim 128 only (``record_reason``). ``"auto"`` (default):
-        decided when a cache is made (``oscar_jax.storage_layout``): "record" where the
-        decode attention would read it with the Mosaic kernel (a Hopper GPU, a covered
-        config; the fastest decode step measured there), "planar" everywhere else. A
-        cache's config always names a concrete layout.
+        INT4, head_dim 128) and float32 norms (``oscar_jax.record``), what the "mosaic"
+        decode backend reads without a conversion; INT2 or INT4, group_size 32,
+        float16/bfloat16 parameters and head_dim 64, 128 or 256 only (``record_reason``).
+        ``"auto"`` (default): decided when a cache is made (``oscar_jax.storage_layout``):
+        "record" where the decode attention would read it with the Mosaic kernel (a Hopper
+        GPU, a covered config; the fastest decode step measured there), "planar"
+        everywhere else. A cache's config always names a concrete layout.
     """
 
     method: str = "oscar"
@@ -158,8 +160,8 @@ class KVQuantConfig:
             return f"group_size=32, not group_size={self.group_size}"
         if self.param_dtype not in ("float16", "bfloat16"):
             return f"param_dtype float16 or bfloat16, not param_dtype={self.param_dtype!r}"
-        if head_dim is not None and head_dim != 128:
-            return f"head_dim=128, not head_dim={head_dim}"
+        if head_dim is not None and head_dim not in record.DIMS:
+            return f"head_dim in {record.DIMS}, not head_dim={head_dim}"
         return None
 
     def validate_head_dim(self, head_dim: int, name: str = "head_dim") -> None:
@@ -173,8 +175,8 @@ class KVQuantConfig:
                 f"{name}={head_dim} must be a multiple of group_size={self.group_size} "
                 "(values are grouped along channels)"
             )
-        if self.layout == "record" and head_dim != 128:
-            raise ValueError(f"{name}={head_dim} must be 128 for layout='record'")
+        if self.layout == "record" and head_dim not in record.DIMS:
+            raise ValueError(f"{name}={head_dim} must be one of {record.DIMS} for layout='record'")
 
     def replace(self, **kw) -> KVQuantConfig:
         return dataclasses.replace(self, **kw)

@@ -29,10 +29,10 @@ D = 128
 PT = "per_token"
 
 
-def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, bits=2, **kw):
+def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, bits=2, d=D, **kw):
     cfg = oj.preset("oscar", bits=bits, param_dtype=param_dtype, **kw)
-    k, v = kv_with_sinks(seed, b, max(lengths), h, D, jnp.bfloat16, sinks=(0, 1))
-    c = oj.init_cache(cfg, batch=b, max_len=max_len, num_kv_heads=h, head_dim=D,
+    k, v = kv_with_sinks(seed, b, max(lengths), h, d, jnp.bfloat16, sinks=(0, 1))
+    c = oj.init_cache(cfg, batch=b, max_len=max_len, num_kv_heads=h, head_dim=d,
                       dtype=jnp.bfloat16)  # fmt: skip
     return oj.prefill(c, k, v, jnp.asarray(lengths, jnp.int32))
 
@@ -47,24 +47,28 @@ def _bits(x):
 
 
 @pytest.mark.parametrize(
-    "lengths,param_dtype,block,norms,bits",
+    "lengths,param_dtype,block,norms,bits,d",
     [
-        ([640, 200], "float16", 256, "per_head", 2),  # ragged: a row with few quantized tokens
-        ([100, 333, 640], "bfloat16", 128, "per_head", 2),  # a row all in the ring
-        ([517], "float16", 64, "per_token", 2),  # one norm over all KV heads
-        ([640, 200], "bfloat16", 256, "per_head", 4),
-        ([100, 517], "float16", 64, "per_token", 4),
+        ([640, 200], "float16", 256, "per_head", 2, 128),  # ragged: few quantized tokens
+        ([100, 333, 640], "bfloat16", 128, "per_head", 2, 128),  # a row all in the ring
+        ([517], "float16", 64, "per_token", 2, 128),  # one norm over all KV heads
+        ([640, 200], "bfloat16", 256, "per_head", 4, 128),
+        ([100, 517], "float16", 64, "per_token", 4, 128),
+        ([640, 100], "float16", 128, "per_head", 2, 64),
+        ([333, 517], "bfloat16", 256, "per_token", 4, 64),
+        ([640, 200], "bfloat16", 64, "per_head", 2, 256),
+        ([517], "float16", 128, "per_token", 4, 256),
     ],
 )
-def test_record_layout_is_an_exact_permutation(lengths, param_dtype, block, norms, bits):
+def test_record_layout_is_an_exact_permutation(lengths, param_dtype, block, norms, bits, d):
     c = _cache(len(lengths), len(lengths), lengths, param_dtype=param_dtype,
-               norm_granularity=norms, bits=bits)  # fmt: skip
+               norm_granularity=norms, bits=bits, d=d)  # fmt: skip
     pdt = jnp.dtype(param_dtype)
     rec, kn = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
                                  c.v_scale, c.v_zero, param_dtype=pdt,
                                  block_tokens=block)  # fmt: skip
     b, h, lq = c.batch, c.num_kv_heads, c.quant_capacity
-    assert rec.shape == (b, h, -(-lq // block) * block // mk.TILE, record.record_words(bits))
+    assert rec.shape == (b, h, -(-lq // block) * block // mk.TILE, record.record_words(bits, d))
     assert rec.dtype == jnp.uint32
     back = mk.fragment_layout_inverse(rec, kn, lq, param_dtype=pdt)
     want = dict(k_codes=c.k_codes, k_scale=c.k_scale, k_zero=c.k_zero, v_codes=c.v_codes,
@@ -112,41 +116,45 @@ def test_record_fields_sit_where_the_kernel_reads_them():
             assert (word >> (16 * e)) & 0xFFFF == bits[bi, hi, 64 * n + 8 * cbv + 2 * j + e, grp]
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_half_words_split_a_record_by_token_half(bits):
+@pytest.mark.parametrize("bits,d", [(2, 128), (4, 128), (2, 64), (4, 64), (2, 256), (4, 256)])
+def test_half_words_split_a_record_by_token_half(bits, d):
     """Every word of a record belongs to one half (the code words hold tokens of one G-group
     only), the halves partition all but the pad, and a half-record written by
     ``group_words`` has nothing outside its half."""
-    kt, _, vt, _ = record._code_tables(bits)
+    kt, _, vt, _ = record._code_tables(bits, d)
     for t in (kt, vt):
         assert (t // mk.G == t[:, :1] // mk.G).all()
-    m = record.half_words(bits)
+    m = record.half_words(bits, d)
     assert not (m[0] & m[1]).any()
-    assert (m[0] | m[1]).sum() == record.offsets(bits)[3] + 256
-    c = _cache(3, 1, [640], bits=bits)
+    assert (m[0] | m[1]).sum() == record.offsets(bits, d)[3] + 2 * d
+    assert record.record_format(record.record_words(bits, d)) == (bits, d)
+    c = _cache(3, 1, [640], bits=bits, d=d)
     w = record.group_words(c.k_codes[:, :, 32:64], c.k_scale[:, :, 1:2], c.k_zero[:, :, 1:2],
                            c.v_codes[:, :, 32:64], c.v_scale[:, :, 32:64], c.v_zero[:, :, 32:64],
                            jnp.ones((1,), jnp.int32), param_dtype=jnp.float16)  # fmt: skip
     assert not np.asarray(w)[..., ~m[1]].any() and np.asarray(w)[..., m[1]].any()
 
 
-@pytest.mark.parametrize("bits,param_dtype,unpack", [
-    (2, "float16", "lop3"), (2, "bfloat16", "lop3"), (2, "float16", "shift"),
-    (4, "float16", "lop3"), (4, "bfloat16", "lop3"), (4, "bfloat16", "shift"),
+@pytest.mark.parametrize("bits,param_dtype,unpack,d", [
+    (2, "float16", "lop3", 128), (2, "bfloat16", "lop3", 128), (2, "float16", "shift", 128),
+    (4, "float16", "lop3", 128), (4, "bfloat16", "lop3", 128), (4, "bfloat16", "shift", 128),
+    (2, "bfloat16", "lop3", 64), (4, "float16", "lop3", 64), (2, "float16", "lop3", 256),
+    (4, "bfloat16", "lop3", 256),
 ])  # fmt: skip
-def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack):
+def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack, d):
     """The kernel's unpack (``plane_plan``: shift, mask, magic, FMA back to the code, FMA
     with the scale / zero pair), emulated in numpy on a real record for every thread of the
     warpgroup and every register of its K and V^T wgmma fragments, equals the planar
     dequantization code * scale + zero rounded once to the parameter dtype: the layout, the
-    word / plane a register is read from and the magic's exactness, at INT2 and INT4."""
+    word / plane a register is read from and the magic's exactness, at INT2 and INT4, for
+    head_dim 64, 128 and 256."""
     pdt = jnp.dtype(param_dtype)
-    c = _cache(5, 1, [640], param_dtype=param_dtype, bits=bits)
+    c = _cache(5, 1, [640], param_dtype=param_dtype, bits=bits, d=d)
     rec, _ = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
                                 c.v_scale, c.v_zero, param_dtype=pdt, block_tokens=64)  # fmt: skip
     r = np.asarray(rec)[0, :, :]  # [H, n, W]
-    kc_, vc_, kp_, vp_ = record.offsets(bits)
-    ppw = record.pairs_per_word(bits)
+    kc_, vc_, kp_, vp_ = record.offsets(bits, d)
+    ppw, per = record.pairs_per_word(bits), record.load_words(bits, d)
     ck = np.asarray(oj.unpack(c.k_codes, bits))[0].astype(np.float64)  # [H, Lq, D]
     cv = np.asarray(oj.unpack(c.v_codes, bits))[0].astype(np.float64)
     f64 = lambda x: np.asarray(x[0], np.float32).astype(np.float64)  # noqa: E731
@@ -160,13 +168,13 @@ def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack):
         w, lane = divmod(tid, 32)
         j = lane % 4
         e = np.arange(2)
-        for cb in range(16):
+        for cb in range(d // 8):
             for rh in range(2):
                 reg = 2 * cb + rh
-                word = r[:, :, kc_ + record.code_word(reg // ppw, tid)]
+                word = r[:, :, kc_ + record.code_word(reg // ppw, tid, per)]
                 g = w // 2
-                s_ = halves(r[:, :, kp_ + 128 * g + 16 * j + cb])
-                z_ = halves(r[:, :, kp_ + 128 * g + 64 + 16 * j + cb])
+                s_ = halves(r[:, :, kp_ + d * g + d // 8 * j + cb])
+                z_ = halves(r[:, :, kp_ + d * g + d // 2 + d // 8 * j + cb])
                 got = mk_dq.emulate_fragment(word, reg % ppw, s_, z_, bits=bits,
                                              param_dtype=pdt, unpack=unpack)  # fmt: skip
                 tok = 64 * n + 16 * w + lane // 4 + 8 * rh  # [1, n, 1]
@@ -174,14 +182,14 @@ def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack):
                 hh = np.arange(r.shape[0])[:, None, None]
                 want = ck[hh, tok, ch] * ks[hh, tok // 32, ch] + kz[hh, tok // 32, ch]
                 np.testing.assert_array_equal(got, want.astype(pdt), err_msg=f"K {tid} {reg}")
-        for mt in range(2):
+        for mt in range(d // 64):
             grp = 2 * mt + w // 2
             for cb in range(8):
                 for rh in range(2):
                     reg = 16 * mt + 2 * cb + rh
-                    word = r[:, :, vc_ + record.code_word(reg // ppw, tid)]
-                    pos = 64 * (2 * (cb // 4)) + 16 * grp + 4 * j + cb % 4
-                    s_, z_ = halves(r[:, :, vp_ + pos]), halves(r[:, :, vp_ + pos + 64])
+                    word = r[:, :, vc_ + record.code_word(reg // ppw, tid, per)]
+                    pos = d // 2 * (2 * (cb // 4)) + 16 * grp + 4 * j + cb % 4
+                    s_, z_ = halves(r[:, :, vp_ + pos]), halves(r[:, :, vp_ + pos + d // 2])
                     got = mk_dq.emulate_fragment(word, reg % ppw, s_, z_, bits=bits,
                                                  param_dtype=pdt, unpack=unpack)  # fmt: skip
                     tok = 64 * n + 8 * cb + 2 * j + e
@@ -199,9 +207,13 @@ def test_unsupported_caches_are_named():
     c4 = oj.init_cache(oj.preset("oscar", bits=3), batch=1, max_len=640, num_kv_heads=2,
                        head_dim=D)  # fmt: skip
     assert "bits=3" in mk.unsupported_reason(c4)
-    c64 = oj.init_cache(oj.preset("oscar", bits=2), batch=1, max_len=640, num_kv_heads=2,
-                        head_dim=64)  # fmt: skip
-    assert "head_dim=64" in mk.unsupported_reason(c64)
+    c96 = oj.init_cache(oj.preset("oscar", bits=2), batch=1, max_len=640, num_kv_heads=2,
+                        head_dim=96)  # fmt: skip
+    assert "head_dim=96" in mk.unsupported_reason(c96)
+    for d in (64, 256):  # covered, once the cache holds records
+        cd = oj.init_cache(oj.preset("oscar", bits=2), batch=1, max_len=640, num_kv_heads=2,
+                           head_dim=d)  # fmt: skip
+        assert mk.unsupported_reason(cd, 4, convert=True) is None
     with pytest.raises(ValueError, match="bits=3"):
         mk.decode_attention_mosaic(jnp.ones((1, 4, D)), c4)
     with pytest.raises(ValueError, match="block_tokens=100"):
@@ -252,39 +264,50 @@ def lowering_stack():
 
 
 @pytest.mark.usefixtures("lowering_stack")
-@pytest.mark.parametrize("block,g,stage,bits", [
-    (256, 4, "full", 2), (128, 7, "full", 2), (256, 4, "keys", 2), (256, 4, "full", 4),
-    (64, 3, "full", 4), (128, 4, "dequant", 4),
+@pytest.mark.parametrize("block,g,stage,bits,d", [
+    (256, 4, "full", 2, 128), (128, 7, "full", 2, 128), (256, 4, "keys", 2, 128),
+    (256, 4, "full", 4, 128), (64, 3, "full", 4, 128), (128, 4, "dequant", 4, 128),
+    (256, 3, "full", 2, 64), (128, 7, "full", 4, 64), (128, 4, "full", 2, 256),
+    (64, 1, "full", 4, 256),
 ])  # fmt: skip
-def test_kernels_lower_for_sm90(block, g, stage, bits):
+def test_kernels_lower_for_sm90(block, g, stage, bits, d):
     cfg = mk.Int2DecodeConfig(block_tokens=block, stage=stage)
     s = jax.ShapeDtypeStruct
     b, h, lq = 2, 2, 1024
-    q = s((b, h, g, D), jnp.float32)
-    rec = s((b, h, lq // 64, record.record_words(bits)), jnp.uint32)
+    q = s((b, h, g, d), jnp.float32)
+    rec = s((b, h, lq // 64, record.record_words(bits, d)), jnp.uint32)
     kn, nq = s((b, h, lq), jnp.float32), s((b,), jnp.int32)
     f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg))
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
     if stage == "full":
-        ring = (s((b, h, 160, D), jnp.bfloat16), s((b, h, 160, D), jnp.bfloat16),
+        ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
                 s((b, 160), jnp.bool_))  # fmt: skip
         fn = jax.jit(lambda *a: mk.int2_decode_attention_2launch(*a, cfg=cfg))
         fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.usefixtures("lowering_stack")
-@pytest.mark.parametrize("merge,rotate_values,bits", [
-    ("xla", True, 2), ("mosaic", False, 2), ("xla", True, 4), ("mosaic", False, 4),
+@pytest.mark.parametrize("merge,rotate_values,bits,d", [
+    ("xla", True, 2, 128), ("mosaic", False, 2, 128), ("xla", True, 4, 128),
+    ("mosaic", False, 4, 128), ("xla", True, 2, 64), ("mosaic", False, 4, 256),
 ])  # fmt: skip
-def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits):
+def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits, d):
     """The "mosaic" backend's call on a layout='record' cache (its arrays read as they are)."""
-    c = _cache(3, 2, [600, 130], rotate_values=rotate_values, layout="record", bits=bits)
+    c = _cache(3, 2, [600, 130], rotate_values=rotate_values, layout="record", bits=bits, d=d)
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))
-    fn.trace(query(3, 2, 8, D), c).lower(lowering_platforms=("cuda",))
+    fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",))
 
 
-def test_default_block_divides_a_shards_capacity():
+def test_default_config_fits_the_stages_in_shared_memory():
     assert [mk.default_config(n).block_tokens for n in (64, 128, 320, 512)] == [64, 128, 64, 256]
+    got = {(b, d): mk.default_config(4096, b, d) for b in (2, 4) for d in (64, 128, 256)}
+    assert {k: (c.block_tokens, c.max_concurrent_steps) for k, c in got.items()} == {
+        (2, 64): (256, 3), (4, 64): (256, 3), (2, 128): (256, 3), (4, 128): (256, 2),
+        (2, 256): (128, 3), (4, 256): (128, 2),
+    }  # fmt: skip
+    for (b, d), c in got.items():  # two programs an SM: their stages within STAGE_BYTES
+        rec = record.record_words(b, d) * 4 + 256
+        assert c.max_concurrent_steps * rec * c.block_tokens // 64 <= mk.STAGE_BYTES
 
 
 @pytest.mark.usefixtures("lowering_stack")
@@ -333,14 +356,28 @@ class TestMosaicGPU:
             ([1600, 700], 1, "bfloat16", dict(bits=4, max_concurrent_steps=2)),
             ([2900, 77], 6, "float16", dict(bits=4, unpack="shift", block_tokens=128)),
             ([2048, 333], 8, "bfloat16", dict(bits=4, unpack="lop")),
+            # head_dim 64 (SmolLM2 g = 3, Qwen2.5 g = 7) and 256 (Gemma 3 g = 4)
+            ([4000, 0, 150], 3, "float16", dict(d=64)),
+            ([2080, 1111], 7, "bfloat16", dict(d=64, block_tokens=128)),
+            ([990, 481], 4, "float16", dict(d=64, bits=4, block_tokens=64)),
+            ([2900, 77], 6, "bfloat16", dict(d=64, bits=4)),
+            ([4000, 0, 150], 4, "float16", dict(d=256, block_tokens=128)),
+            ([1100, 2047], 1, "bfloat16", dict(d=256, block_tokens=64)),
+            (
+                [2222, 1000],
+                4,
+                "bfloat16",
+                dict(d=256, bits=4, block_tokens=128, max_concurrent_steps=2),
+            ),
+            ([990, 481], 8, "float16", dict(d=256, bits=4, block_tokens=64)),
         ],
     )
     def test_matches_xla(self, lengths, g, param_dtype, knobs):
         knobs = dict(knobs)
-        bits = knobs.pop("bits", 2)
+        bits, d = knobs.pop("bits", 2), knobs.pop("d", D)
         c = _cache(sum(lengths), len(lengths), lengths, param_dtype=param_dtype,
-                   max_len=4096 + 160, bits=bits)  # fmt: skip
-        q = query(len(lengths), len(lengths), 2 * g, D, _qdtype(param_dtype))
+                   max_len=4096 + 160, bits=bits, d=d)  # fmt: skip
+        q = query(len(lengths), len(lengths), 2 * g, d, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs)
         got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, convert=True))(q, c)
         want = oj.decode_attention(q, c, implementation="xla")
@@ -356,15 +393,24 @@ class TestMosaicGPU:
             ([1500, 2500], 6, "bfloat16", dict(merge_step=8, block_tokens=64, unpack="lop3")),
             ([3000, 0, 150], 4, "bfloat16", dict(bits=4)),
             ([2000, 1999], 7, "float16", dict(bits=4, block_tokens=128)),
+            ([3000, 0, 150], 3, "bfloat16", dict(d=64)),
+            ([2000, 1999], 7, "float16", dict(d=64, bits=4, merge_step=4)),
+            ([3900, 0, 161], 4, "float16", dict(d=256, block_tokens=128)),
+            (
+                [1500, 2500],
+                2,
+                "bfloat16",
+                dict(d=256, bits=4, block_tokens=128, max_concurrent_steps=2),
+            ),
         ],
     )
     def test_two_launches_match_xla(self, lengths, g, param_dtype, knobs):
         """The ring and the LSE merge in the second Mosaic launch (values unrotated)."""
         knobs = dict(knobs)
-        bits = knobs.pop("bits", 2)
+        bits, d = knobs.pop("bits", 2), knobs.pop("d", D)
         c = _cache(sum(lengths) + 1, len(lengths), lengths, param_dtype=param_dtype,
-                   max_len=4096 + 160, rotate_values=False, bits=bits)  # fmt: skip
-        q = query(len(lengths) + 1, len(lengths), 2 * g, D, _qdtype(param_dtype))
+                   max_len=4096 + 160, rotate_values=False, bits=bits, d=d)  # fmt: skip
+        q = query(len(lengths) + 1, len(lengths), 2 * g, d, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs)
         got = jax.jit(
             lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge="mosaic", convert=True)
@@ -384,6 +430,8 @@ class TestMosaicGPU:
             (40, "xla", dict(splits=1)),
             (48, "xla", dict(bits=4)),
             (24, "mosaic", dict(bits=4, block_tokens=128)),
+            (48, "mosaic", dict(d=64)),
+            (24, "xla", dict(d=256, block_tokens=128)),
         ],
     )
     def test_many_rows_match_xla(self, b, merge, knobs):
@@ -391,10 +439,10 @@ class TestMosaicGPU:
         second launch gave wrong rows there on the H200 (relative error 0.2-165) while the
         one- to eight-row cases above were right."""
         knobs = dict(knobs)
-        bits = knobs.pop("bits", 2)
+        bits, d = knobs.pop("bits", 2), knobs.pop("d", D)
         lengths = [int(x) for x in np.random.default_rng(b).integers(900, 4000, b)]
-        c = _cache(b + 7, b, lengths, h=8, max_len=4096, rotate_values=False, bits=bits)
-        q = query(b + 8, b, 32, D, jnp.float16)
+        c = _cache(b + 7, b, lengths, h=8, max_len=4096, rotate_values=False, bits=bits, d=d)
+        q = query(b + 8, b, 32, d, jnp.float16)
         cfg = mk.Int2DecodeConfig(**knobs)
         fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge=merge,
                                                              convert=True))  # fmt: skip
@@ -413,19 +461,23 @@ class TestMosaicGPU:
             ([1234, 2900], 8, "bfloat16", dict(norm_granularity=PT)),
             ([4000, 0, 150], 4, "bfloat16", dict(bits=4)),
             ([2080, 1999], 7, "float16", dict(bits=4, rotate_values=False, norm_granularity=PT)),
+            ([3100, 640, 33], 3, "bfloat16", dict(d=64, norm_granularity=PT)),
+            ([2080, 0, 1999], 7, "float16", dict(d=64, bits=4, rotate_values=False)),
+            ([1234, 2900], 4, "bfloat16", dict(d=256)),
+            ([4000, 150], 4, "float16", dict(d=256, bits=4, rotate_values=False)),
         ],
     )
     def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw):
         """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
         prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA."""
-        b, h = len(lengths), 2
+        b, h, d = len(lengths), 2, kw.get("d", D)
         c = _cache(sum(lengths) + 2, b, lengths, param_dtype=param_dtype, max_len=4096 + 160,
                    layout="record", **kw)  # fmt: skip
         step = jax.jit(oj.append)
         for i in range(40):
-            k, v = kv_with_sinks(500 + i, b, 1, h, D, jnp.bfloat16, sinks=())
+            k, v = kv_with_sinks(500 + i, b, 1, h, d, jnp.bfloat16, sinks=())
             c = step(c, k[:, 0], v[:, 0])
-        q = query(len(lengths) + 2, b, h * g, D, _qdtype(param_dtype))
+        q = query(len(lengths) + 2, b, h * g, d, _qdtype(param_dtype))
         got = jax.jit(lambda q, c: oj.decode_attention(q, c, implementation="mosaic"))(q, c)
         want = oj.decode_attention(q, c, implementation="xla")  # = the planar cache's
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
@@ -440,10 +492,11 @@ class TestShardPartialOnGPU:
         if not oj.gpu_available() or _lowering_stack() is not None:
             pytest.skip("needs a Hopper GPU and jax >= 0.11.2")
 
-    @pytest.mark.parametrize("offset,g", [(0, 4), (128, 7), (4096, 3)])
-    def test_matches_xla(self, offset, g):
-        c = _cache(6, 3, [1900, 0, 700], layout="record", max_len=2048 + 128 + 64)
-        q_rot = jax.random.normal(jax.random.key(2), (3, 2, g, D), jnp.float32)
+    @pytest.mark.parametrize("offset,g,d", [(0, 4, 128), (128, 7, 128), (4096, 3, 128),
+                                            (64, 3, 64), (128, 2, 256)])  # fmt: skip
+    def test_matches_xla(self, offset, g, d):
+        c = _cache(6, 3, [1900, 0, 700], layout="record", max_len=2048 + 128 + 64, d=d)
+        q_rot = jax.random.normal(jax.random.key(2), (3, 2, g, d), jnp.float32)
         got = jax.jit(lambda q, c: mk.quantized_partial_mosaic(q, c, 0.09, offset=offset))(q_rot, c)
         want = jax.jit(lambda q, c: att.quantized_partial(q, c, 0.09, offset=offset))(q_rot, c)
         # What the merge across shards uses: the shard's normalised output and its

@@ -25,17 +25,17 @@ D = 128
 MAX_LEN = 700  # Lq = 768: three 256-token tiles, twelve records
 
 
-def _caches(seed, lengths, *, t=None, h=2, bits=2, **kw):
-    """The same prompt prefilled into a planar and a record cache."""
+def _caches(seed, lengths, *, t=None, h=2, bits=2, d=D, **kw):
+    """The same prompt prefilled into a planar and a record cache (head_dim d)."""
     cfg = oj.preset("oscar", bits=bits, **kw)
     b = len(lengths)
     t = t or max(max(lengths), 1)
-    k, v = kv_with_sinks(seed, b, t, h, D, jnp.bfloat16, sinks=(0, 1))
+    k, v = kv_with_sinks(seed, b, t, h, d, jnp.bfloat16, sinks=(0, 1))
     n = jnp.asarray(lengths, jnp.int32)
     out = []
     for layout in ("planar", "record"):
         c = oj.init_cache(cfg.replace(layout=layout), batch=b, max_len=MAX_LEN, num_kv_heads=h,
-                          head_dim=D)  # fmt: skip
+                          head_dim=d)  # fmt: skip
         out.append(jax.jit(oj.prefill)(c, k, v, n))
     return out
 
@@ -58,8 +58,8 @@ def _assert_same_writes(planar, rec_cache):
     assert rec_cache.quant_capacity == planar.quant_capacity
 
 
-def _step_kv(seed, b, h):
-    k, v = kv_with_sinks(seed, b, 1, h, D, jnp.bfloat16, sinks=())
+def _step_kv(seed, b, h, d=D):
+    k, v = kv_with_sinks(seed, b, 1, h, d, jnp.bfloat16, sinks=())
     return k[:, 0], v[:, 0]
 
 
@@ -78,10 +78,16 @@ CASES = [
     ),  # fmt: skip
     dict(lengths=[0, 100, 229, 650], param_dtype="float16", norm_granularity="per_head", bits=4),
     dict(lengths=[161, 400], param_dtype="bfloat16", norm_granularity="per_token", bits=4),
+    # head_dim 64 (SmolLM2, Qwen2.5) and 256 (Gemma 3)
+    dict(lengths=[0, 229, 650], param_dtype="float16", norm_granularity="per_head", d=64),
+    dict(lengths=[161, 517], param_dtype="bfloat16", norm_granularity="per_token", bits=4, d=64),
+    dict(lengths=[100, 400], param_dtype="bfloat16", norm_granularity="per_head", d=256),
+    dict(lengths=[256, 33], param_dtype="float16", norm_granularity="per_token", bits=4, d=256),
 ]
 
 
-IDS = ["f16-per_head", "bf16-per_token", "f16-unrot", "int4-f16-per_head", "int4-bf16-per_token"]
+IDS = ["f16-per_head", "bf16-per_token", "f16-unrot", "int4-f16-per_head", "int4-bf16-per_token",
+       "d64-f16", "d64-int4-bf16", "d256-bf16", "d256-int4-f16"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -90,23 +96,23 @@ def test_prefill_and_flushes_write_the_records_of_the_planar_cache(case):
     lengths = case.pop("lengths")
     planar, rec = _caches(len(lengths), lengths, **case)
     _assert_same_writes(planar, rec)
-    b, h = planar.batch, planar.num_kv_heads
+    b, h, d = planar.batch, planar.num_kv_heads, planar.head_dim
     step = jax.jit(oj.append)
     for i in range(70):  # every row flushes at least twice (a group every 32 appends)
-        k_t, v_t = _step_kv(100 + i, b, h)
+        k_t, v_t = _step_kv(100 + i, b, h, d)
         planar, rec = step(planar, k_t, v_t), step(rec, k_t, v_t)
     assert int(jnp.max(planar.num_quantized())) > 0
     _assert_same_writes(planar, rec)
     # the decode step's other writer: the flush encoded early (prepare_flushes), then stored
     early = jax.jit(_early_step)
     for i in range(40):
-        k_t, v_t = _step_kv(300 + i, b, h)
+        k_t, v_t = _step_kv(300 + i, b, h, d)
         planar, rec = early(planar, k_t, v_t), early(rec, k_t, v_t)
     _assert_same_writes(planar, rec)
     # readers through the exact inverse: dequantize and the XLA reference attention
     for a, w in zip(oj.dequantize(rec), oj.dequantize(planar), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
-    q = query(7, b, 4 * h, D)
+    q = query(7, b, 4 * h, d)
     got = oj.decode_attention(q, rec, implementation="xla")
     want = oj.decode_attention(q, planar, implementation="xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the same stored values
@@ -153,8 +159,8 @@ def test_bf16_method_and_head_dim_are_refused_for_records():
     with pytest.raises(ValueError, match="bits=16"):
         oj.KVQuantConfig(method="bf16", bits=16, layout="record")
     cfg = oj.preset("kivi", bits=2, layout="record")
-    with pytest.raises(ValueError, match="head_dim=64 must be 128 for layout='record'"):
-        oj.init_cache(cfg, batch=1, max_len=400, num_kv_heads=1, head_dim=64)
+    with pytest.raises(ValueError, match=r"head_dim=96 must be one of \(64, 128, 256\) for layout"):
+        oj.init_cache(cfg, batch=1, max_len=400, num_kv_heads=1, head_dim=96)
 
 
 def test_planar_readers_refuse_a_record_cache_by_name():
@@ -179,9 +185,9 @@ def test_mosaic_backend_lookup():
         oj.decode_attention(query(6, 2, 4, D), rec, implementation="mosaic")
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-def test_record_cache_saves_and_loads_bit_for_bit(tmp_path, bits):
-    _, rec = _caches(8, [300, 517], param_dtype="bfloat16", bits=bits)
+@pytest.mark.parametrize("bits,d", [(2, 128), (4, 128), (2, 64), (4, 256)])
+def test_record_cache_saves_and_loads_bit_for_bit(tmp_path, bits, d):
+    _, rec = _caches(8, [300, 517], param_dtype="bfloat16", bits=bits, d=d)
     path = oj.save_state(tmp_path / "rec.safetensors", rec)
     back = oj.load_state(path)
     assert back.cfg == rec.cfg

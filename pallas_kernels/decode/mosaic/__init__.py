@@ -7,8 +7,9 @@ it), so a call reads the cache as it is. A planar cache is refused, or converted
 call with ``decode_attention_mosaic(..., convert=True)`` (exact, but it reads and writes the
 whole quantized part: a check of the kernel, not for speed). The kernel's own timings and
 where its time goes: BENCHMARKS.md, "Mosaic GPU decode". Covered: INT2 and INT4 (records
-of 1600 / 2560 words; the kernel reads the width from the record), head_dim 128, G = 32,
-16-bit parameters, GQA ratio <= 16, per-head or per-token norms (``unsupported_reason``).
+of 4 D (bits + 1) words, 1600 / 2560 at D = 128; the kernel reads the width and the head_dim
+from the record), head_dim D = 64, 128 or 256, G = 32, 16-bit parameters, GQA ratio <= 16,
+per-head or per-token norms (``unsupported_reason``).
 The ``int2_*`` names are historical: they take either width. The kernels need jax >=
 0.11.2; the layout functions run on any backend. Modules: ``_config``
 (``Int2DecodeConfig``), ``_dequant`` (in-register unpack into wgmma fragments), ``_kernel``
@@ -21,7 +22,7 @@ import where the kernel cannot run). Entry points (the record layout itself:
     param_dtype, block_tokens) -> (rec, kn)``: planar cache arrays -> this kernel's layout
     (exact); ``fragment_layout_inverse(rec, kn, lq, *, param_dtype)`` its inverse.
   * ``int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
-    cfg, softmax_scale, param_dtype) -> [B, H, g, 128]``: the decode call in two Mosaic
+    cfg, softmax_scale, param_dtype) -> [B, H, g, D]``: the decode call in two Mosaic
     GPU launches (split-K partials; ring + LSE merge) plus two small XLA fusions (query
     prep, output transpose). Values must be in the original basis (no run-time un-rotation).
   * ``int2_decode_attention(...same..., unrotate=None)``: the partials kernel + the ring
@@ -38,8 +39,8 @@ Kernel design (one CTA = one warpgroup of 128 threads = one (b, h, split)):
   * Tokens are the wgmma M dimension (64 per tile), the GQA query heads the N dimension
     (padded to 16: a 16-bit B operand in shared memory needs N >= 16 in Mosaic GPU).
     Keys: S^T[64, 16] = K[64 tok, D] @ Q^T[D, 16] (m64n16k16 x 8); values:
-    O^T[D, 16] += V^T[D, 64 tok] @ P^T[64 tok, 16] (two M = 64 channel halves for D = 128;
-    P^T goes registers -> shared memory -> wgmma B operand).
+    O^T[D, 16] += V^T[D, 64 tok] @ P^T[64 tok, 16] (D / 64 channel blocks of M = 64; P^T
+    goes registers -> shared memory -> wgmma B operand).
   * The A operands (K, V^T) are dequantized in registers straight into the wgmma
     register-fragment layout: each thread reads its own 16 bytes of codes a tensor at INT2
     (one LDS.128; 32 bytes, two loads, at INT4) and turns them into f16x2 / bf16x2 pairs
@@ -47,15 +48,15 @@ Kernel design (one CTA = one warpgroup of 128 threads = one (b, h, split)):
     magic number (0x6400 f16 = 1024, 0x4300 bf16 = 128), subtract the magic (exact), one
     FMA with the scale/zero pair. No layout conversion, no shared-memory round trip of the operand.
   * The cache is read as one "record" per 64 tokens (codes + scales + zeros of K and V,
-    1600 uint32 words at INT2 and 2560 at INT4, permuted at quantize time so that every
+    1600 uint32 words at INT2 and 2560 at INT4 for D = 128, permuted at quantize time so that every
     thread's parameters are 16-byte vectors) plus a f32 norm vector: two TMA copies per
     block, pipelined by ``plgpu.emit_pipeline``.
   * Online softmax (base 2, log2(e) folded into the query) per block of ``block_tokens``;
     the row sums are kept per element and reduced once at the end.
 
 The record layout of a 64-token tile and the norms' shape: ``oscar_jax.record``'s docstring.
-Head_dim 128, G = 32 (key token groups and value channel groups), 16-bit parameters
-(float16 or bfloat16, the dequantization dtype follows them), INT2 or INT4 only.
+Head_dim 64, 128 or 256, G = 32 (key token groups and value channel groups), 16-bit
+parameters (float16 or bfloat16, the dequantization dtype follows them), INT2 or INT4 only.
 """
 
 from oscar_jax.record import (
@@ -70,6 +71,7 @@ from oscar_jax.record import (
     record_words,
 )
 from pallas_kernels.decode.mosaic._cache import (
+    STAGE_BYTES,
     decode_attention_mosaic,
     default_config,
     kernel_inputs,
@@ -87,7 +89,7 @@ from pallas_kernels.decode.mosaic._merge import (
 )
 
 __all__ = [
-    "D", "G", "LOG2E", "NPAD", "OFFSETS", "TILE", "WORDS", "Int2DecodeConfig",
+    "D", "G", "LOG2E", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WORDS", "Int2DecodeConfig",
     "decode_attention_mosaic", "default_config", "fragment_layout", "fragment_layout_inverse",
     "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_partials",
     "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring", "merge_step_for",

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from oscar_jax import attention as att
 from oscar_jax import hadamard
 from oscar_jax.cache import _residual_tokens
-from oscar_jax.record import D, fragment_layout
+from oscar_jax.record import TILE, fragment_layout, record_words
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
 from pallas_kernels.decode.mosaic._merge import int2_decode_attention, int2_decode_attention_2launch
@@ -33,13 +33,19 @@ def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
     return None
 
 
-def default_config(capacity: int, bits: int = 2) -> Int2DecodeConfig:
-    """The default tuning with the largest block of 256, 128 or 64 tokens that divides the
-    quantized capacity (a record cache holds whole 64-token records). INT4 records are 1.6x
-    the bytes of INT2's: 2 TMA stages of 256 tokens (80 KB a program) keep two programs an
-    SM within its 228 KB of shared memory, where 3 stages (120 KB) would allow one."""
-    block = next(b for b in (256, 128, 64) if capacity % b == 0)
-    stages = 2 if bits == 4 and block == 256 else 3
+STAGE_BYTES = 86_000  # shared memory for the TMA stages of one program (two an SM)
+
+
+def default_config(capacity: int, bits: int = 2, head_dim: int = 128) -> Int2DecodeConfig:
+    """The default tuning: the largest block of 256, 128 or 64 tokens that divides the
+    quantized capacity (a record cache holds whole 64-token records) and leaves room for at
+    least 2 TMA stages in ``STAGE_BYTES``, then up to 3 stages. At head_dim 128: INT2 256
+    tokens x 3 stages (80 KB), INT4 (1.6x the bytes) 256 x 2, so that two programs an SM
+    fit its 228 KB of shared memory; head_dim 256 takes 128-token blocks."""
+    rec = record_words(bits, head_dim) * 4 + TILE * 4  # a record and its norms, bytes
+    fits = [b for b in (256, 128, 64) if capacity % b == 0]
+    block = next((b for b in fits if 2 * rec * b // TILE <= STAGE_BYTES), fits[-1])
+    stages = max(1, min(3, STAGE_BYTES // (rec * block // TILE)))
     return Int2DecodeConfig(block_tokens=block, max_concurrent_steps=stages)
 
 
@@ -94,10 +100,10 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     if merge == "auto":
         merge = "xla"
     pdt = jnp.dtype(kcfg.scale_dtype)
-    cfg = cfg or default_config(cache.quant_capacity, kcfg.bits)
+    cfg = cfg or default_config(cache.quant_capacity, kcfg.bits, cache.head_dim)
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
-    qg = q.astype(jnp.float32).reshape(b, h, g, D)
-    # dense: one [128, 128] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
+    qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
+    # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
     q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
     if merge == "mosaic":
         out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
@@ -114,7 +120,7 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
 def quantized_partial_mosaic(q_rot, cache, scale, *, offset=0, cfg: Int2DecodeConfig = None):
     """``oscar_jax.attention.quantized_partial`` by the Mosaic kernel, for a sequence shard
     of a layout='record' cache (global quantized positions offset..; ``cache.lengths`` are
-    global): q_rot [b, h, g, 128] f32 (unscaled) -> (acc [b, h, g, 128] in the stored value
+    global): q_rot [b, h, g, D] f32 (unscaled) -> (acc [b, h, g, D] in the stored value
     basis, m [b, h, g] natural-log units, -inf where the shard has no token, l [b, h, g]).
     The splits are merged here, in XLA."""
     b, h, g, _ = q_rot.shape
@@ -122,7 +128,7 @@ def quantized_partial_mosaic(q_rot, cache, scale, *, offset=0, cfg: Int2DecodeCo
     if reason is not None:
         raise ValueError(f"quantized_partial_mosaic: {reason}")
     lq = cache.quant_capacity
-    cfg = cfg or default_config(lq, cache.cfg.bits)
+    cfg = cfg or default_config(lq, cache.cfg.bits, cache.head_dim)
     rec, kn, _, _ = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     nq = jnp.clip(cache.num_quantized().astype(jnp.int32) - offset, 0, lq)
     acc, m2, l = int2_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=scale,

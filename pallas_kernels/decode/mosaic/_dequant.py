@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.record import TILE, D, code_word, offsets, pairs_per_word
+from oscar_jax.record import TILE, code_word, load_words, offsets, pairs_per_word, thread_words
 
 MAGIC = {"float16": (0x6400, 1024.0, 10), "bfloat16": (0x4300, 128.0, 7)}  # bits, value, mantissa
 
@@ -46,9 +46,9 @@ def emulate_fragment(words, p: int, scale, zero, *, bits: int, param_dtype, unpa
     return (code * np.asarray(scale, np.float64) + np.asarray(zero, np.float64)).astype(pdt)
 
 
-def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
-    """inline_mgpu bodies: record smem ref -> K [64, 128] / V^T halves [64, 64] fragments
-    of an INT2 or INT4 record (``bits``; ``oscar_jax.record``'s layout)."""
+def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
+    """inline_mgpu bodies: record smem ref -> K [64, d] / V^T channel blocks [64, 64]
+    fragments of an INT2 or INT4 record of head_dim ``d`` (``oscar_jax.record``'s layout)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental import pallas as pl  # noqa: F401
@@ -58,9 +58,10 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
 
     is_f16 = pdt == jnp.float16
     magic, mvalue, _ = MAGIC[jnp.dtype(pdt).name]
-    _kc, _vc, _kp, _vp = offsets(bits)
+    _kc, _vc, _kp, _vp = offsets(bits, d)
     ppw = pairs_per_word(bits)  # f16x2 registers a code word fills
-    nwords = 32 // ppw  # code words a thread a tensor (its 32 fragment registers)
+    nwords = thread_words(bits, d)  # code words a thread a tensor (its d / 4 registers)
+    per = load_words(bits, d)  # code words a load (16 bytes, 8 for INT2 at d = 64)
 
     def ctypes():
         i32 = ir.IntegerType.get_signless(32)
@@ -78,24 +79,24 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
             else arith.index_cast(ir.IndexType.get(), v)
         )
 
-    def load4(ref, row, word):  # vector<4xi32> at word ``word`` of record ``row`` ([n, 25, 64])
-        _, _, _, v4 = ctypes()
+    def load4(ref, row, word, n=4):  # vector<n x i32> at word ``word`` of record ``row``
+        i32 = ir.IntegerType.get_signless(32)
         if isinstance(word, int):
             hi, lo = idx(word >> 6), idx(word & 63)
         else:
             hi, lo = idx(arith.shrui(word, c32(6))), idx(arith.andi(word, c32(63)))
-        return vector.load(v4, ref, [idx(row), hi, lo])
+        return vector.load(ir.VectorType.get((n,), i32), ref, [idx(row), hi, lo])
 
-    def words(vec4):
-        return [vector.extract(vec4, [], [k]) for k in range(4)]
+    def words(vec):
+        return [vector.extract(vec, [], [k]) for k in range(ir.VectorType(vec.type).shape[0])]
 
     def code_words(rec_ref, row, first, tid, n):
         """This thread's first ``n`` code words of the tensor at word ``first`` (f = 0..n-1 at
-        ``code_word(f, tid)``), loaded 16 bytes at a time."""
+        ``code_word(f, tid, per)``), loaded ``per`` words at a time."""
         out = []
-        for k in range(-(-n // 4)):
-            at = arith.addi(c32(first + code_word(4 * k, 0)), arith.muli(tid, c32(4)))
-            out += words(load4(rec_ref, row, at))
+        for k in range(-(-n // per)):
+            at = arith.addi(c32(first + code_word(per * k, 0, per)), arith.muli(tid, c32(per)))
+            out += words(load4(rec_ref, row, at, per))
         return out[:n]
 
     def tids():
@@ -154,16 +155,16 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
             arith.mulf(a, b), c)  # fmt: skip
 
     def key_frag(ctx, rec_ref, row, half=None):
-        """K tile (tokens x channels) of record ``row`` of ``rec_ref`` [n, 25, 64] uint32:
-        [64, 128], or with ``half`` in (0, 1) its channels 64 half.. (fewer live registers)."""
+        """K tile (tokens x channels) of record ``row`` of ``rec_ref`` [n, W/64, 64] uint32:
+        [64, d], or with ``half`` its channels 64 half.. 64 half + 63 (fewer live registers)."""
         shifted.clear()
         tid, w, j = tids()
         cw = code_words(rec_ref, row, _kc, tid, nwords)
         g = arith.divui(w, c32(2))
-        base = arith.addi(c32(_kp), arith.muli(g, c32(128)))
-        sbase = arith.addi(base, arith.muli(j, c32(16)))
-        zbase = arith.addi(sbase, c32(64))
-        cbs = range(16) if half is None else range(8 * half, 8 * half + 8)
+        base = arith.addi(c32(_kp), arith.muli(g, c32(d)))
+        sbase = arith.addi(base, arith.muli(j, c32(d // 8)))
+        zbase = arith.addi(sbase, c32(d // 2))
+        cbs = range(d // 8) if half is None else range(8 * half, 8 * half + 8)
         ks_ = sorted({cb // 4 for cb in cbs})
         sw, zw = {}, {}
         for k in ks_:
@@ -172,7 +173,7 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
             for n, x in enumerate(words(load4(rec_ref, row, arith.addi(zbase, c32(4 * k))))):
                 zw[4 * k + n] = x
         layout = fa.WGMMA_LAYOUT
-        width = D if half is None else D // 2
+        width = d if half is None else 64
         regs = np.empty(layout.registers_shape((TILE, width)), dtype=object)
         for cb in cbs:
             for rh in range(2):
@@ -182,8 +183,10 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
                 )
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
-    def value_frags(ctx, rec_ref, row, mts=(0, 1)):
-        """V^T tiles (channels x tokens) [64, 64] for the channel halves ``mts``."""
+    def value_frags(ctx, rec_ref, row, mts=None):
+        """V^T tiles (channels x tokens) [64, 64] for the channel blocks ``mts`` (None: all
+        d / 64)."""
+        mts = range(d // 64) if mts is None else mts
         shifted.clear()
         tid, w, j = tids()
         cw = code_words(rec_ref, row, _vc, tid, nwords)
@@ -194,7 +197,7 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2):
             pw = {}
             for c in range(2):
                 for sz in range(2):
-                    off = arith.addi(c32(_vp + (c * 2 + sz) * 64 + 0), arith.addi(
+                    off = arith.addi(c32(_vp + (c * 2 + sz) * (d // 2)), arith.addi(
                         arith.muli(g, c32(16)), arith.muli(j, c32(4))))  # fmt: skip
                     pw[c, sz] = words(load4(rec_ref, row, off))
             regs = np.empty(layout.registers_shape((TILE, TILE)), dtype=object)

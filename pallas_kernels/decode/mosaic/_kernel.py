@@ -8,38 +8,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.record import TILE, D, bits_of
+from oscar_jax.record import TILE, record_format
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
 
 
 def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
                          softmax_scale=None, param_dtype=jnp.float16):  # fmt: skip
-    """See ``_partials_raw``; returns acc [B, H, S, 128, 16], m [B, H, S, 16], l [B, H, S, 16]."""
+    """See ``_partials_raw``; returns acc [B, H, S, D, 16], m [B, H, S, 16], l [B, H, S, 16]."""
     acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                             param_dtype=param_dtype)  # fmt: skip
     b, h, s = acc.shape[:3]
-    return acc.reshape(b, h, s, D, NPAD), ml[..., 0, :], ml[..., 1, :]
+    return acc.reshape(b, h, s, q_rot.shape[-1], NPAD), ml[..., 0, :], ml[..., 1, :]
 
 
 def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
                   softmax_scale=None, param_dtype=jnp.float16):  # fmt: skip
     """Split-K partials of the quantized part.
 
-    q_rot [B, H, g, 128] (rotated query, g <= 8 query heads per KV head, any float dtype);
-    rec [B, H, Lp/64, W] uint32 (INT2: W = 1600, INT4: 2560), kn [B, H, Lp] f32
-    (``fragment_layout``);
-    nq [B] int32 quantized tokens per row (0 <= nq <= Lp).
-    Returns acc [B, H, S, 128, 8] f32 (unnormalised O^T), m [B, H, S, 8] f32 (running max
-    of the scores in log2 units; -inf-like -1e30 for an empty split), l [B, H, S, 8] f32.
+    q_rot [B, H, g, D] (rotated query, g <= 16 query heads per KV head, any float dtype;
+    D = 64, 128 or 256); rec [B, H, Lp/64, W] uint32 (``record_words(bits, D)``: 1600 / 2560
+    at D = 128), kn [B, H, Lp] f32 (``fragment_layout``); nq [B] int32 quantized tokens per
+    row (0 <= nq <= Lp).
+    Returns acc [B, H, S, D / 64, 64, 16] f32 (unnormalised O^T by channel blocks), ml
+    [B, H, S, 2, 16] f32 (running max of the scores in log2 units, -inf-like -1e30 for an
+    empty split; the row sums).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, h, g, d = q_rot.shape
-    assert d == D and g <= NPAD, q_rot.shape
     _, _, nrec, words = rec.shape
-    bits = bits_of(words)
+    bits, d_rec = record_format(words)
+    assert d == d_rec and g <= NPAD, (q_rot.shape, rec.shape)
+    nmt = d // 64  # channel blocks of the values (wgmma M = 64 each)
     assert rec.shape[:2] == (b, h), (rec.shape, q_rot.shape)
     lp = nrec * TILE
     bt = cfg.block_tokens
@@ -53,9 +55,9 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     pdt = jnp.dtype(param_dtype)
     qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
-    qt = jnp.swapaxes(qt, -1, -2).astype(pdt)  # [B, H, 128, 8]
+    qt = jnp.swapaxes(qt, -1, -2).astype(pdt)  # [B, H, D, 16]
     key_frag, value_frags, stream_touch, dequant_touch = _dequant_fns(
-        pdt, no_fma=cfg.stage == "nofma", unpack=cfg.unpack, bits=bits
+        pdt, no_fma=cfg.stage == "nofma", unpack=cfg.unpack, bits=bits, d=d
     )
     f32 = jnp.float32
     NEG = -1e30
@@ -76,7 +78,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
 
         def body(idxs, r_smem, n_smem, carry):
             (it,) = idxs
-            m_prev, l_acc, o0, o1 = carry
+            m_prev, l_acc, *outs = carry
             t_base = (start_blk + it) * bt
             if stage in ("stream", "dequant"):
                 touch = stream_touch if stage == "stream" else dequant_touch
@@ -89,21 +91,21 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
                     )(functools.partial(touch, row=jt))(r_smem)  # fmt: skip
                     x = y if x is None else x ^ y
                 # one cross-warp reduction per block (as the softmax max of 'full')
-                return m_prev, l_acc + jnp.sum((x & 1).astype(jnp.int32)).astype(f32), o0, o1
+                return (m_prev, l_acc + jnp.sum((x & 1).astype(jnp.int32)).astype(f32), *outs)
 
             def issue_qk(acc_ref, jt):
                 """Dequantize key subtile jt into the fragment layout and issue its wgmma."""
-                if cfg.split_operands:  # two K = 64 halves: fewer live registers
-                    for hf in range(2):
+                if cfg.split_operands:  # K = 64 channel blocks: fewer live registers
+                    for hf in range(nmt):
                         kf = plgpu.inline_mgpu(
                             arg_types=(plgpu.RefType(),),
-                            return_type=plgpu.ShapeDtypeStruct((TILE, D // 2), pdt, layout=WG),
+                            return_type=plgpu.ShapeDtypeStruct((TILE, 64), pdt, layout=WG),
                         )(functools.partial(key_frag, row=jt, half=hf))(r_smem)  # fmt: skip
-                        plgpu.wgmma(acc_ref, kf, q_smem.at[pl.ds(hf * (D // 2), D // 2)])
+                        plgpu.wgmma(acc_ref, kf, q_smem.at[pl.ds(hf * 64, 64)])
                 else:
                     kf = plgpu.inline_mgpu(
                         arg_types=(plgpu.RefType(),),
-                        return_type=plgpu.ShapeDtypeStruct((TILE, D), pdt, layout=WG),
+                        return_type=plgpu.ShapeDtypeStruct((TILE, d), pdt, layout=WG),
                     )(functools.partial(key_frag, row=jt))(r_smem)  # fmt: skip
                     plgpu.wgmma(acc_ref, kf, q_smem)
 
@@ -151,40 +153,37 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
                 l_acc = l_acc + p
                 ps.append(p)
             if stage == "keys":
-                o0 = o0 * corr_b
-                return m_new, l_acc, o0, o1
+                return (m_new, l_acc, *(o * corr_b for o in outs))
             for jt, p in enumerate(ps):
                 p_smem[jt] = p.astype(pdt)
             plgpu.commit_smem()
-            o0 = o0 * corr_b
-            o1 = o1 * corr_b
+            outs = [o * corr_b for o in outs]
+            vt = plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG)
 
-            def pv(refs):
-                a0, a1 = refs
+            def pv(accs):
                 for jt in range(nsub):
-                    if cfg.split_operands:  # one channel half at a time
-                        for mt, a in ((0, a0), (1, a1)):
+                    if cfg.split_operands:  # one channel block at a time
+                        for mt, a in enumerate(accs):
                             (v,) = plgpu.inline_mgpu(
                                 arg_types=(plgpu.RefType(),),
-                                return_type=(plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG),),
+                                return_type=(vt,),
                             )(functools.partial(value_frags, row=jt, mts=(mt,)))(r_smem)
                             plgpu.wgmma(a, v, p_smem.at[jt])
                         continue
-                    v0, v1 = plgpu.inline_mgpu(
-                        arg_types=(plgpu.RefType(),),
-                        return_type=(plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG),) * 2,
+                    vs = plgpu.inline_mgpu(
+                        arg_types=(plgpu.RefType(),), return_type=(vt,) * nmt,
                     )(functools.partial(value_frags, row=jt))(r_smem)  # fmt: skip
-                    plgpu.wgmma(a0, v0, p_smem.at[jt])
-                    plgpu.wgmma(a1, v1, p_smem.at[jt])
+                    for a, v in zip(accs, vs, strict=True):
+                        plgpu.wgmma(a, v, p_smem.at[jt])
 
-            o0, o1 = pl.run_state(pv)((plgpu.ACC.init(o0), plgpu.ACC.init(o1)))
-            return m_new, l_acc, o0, o1
+            outs = pl.run_state(pv)(tuple(plgpu.ACC.init(o) for o in outs))
+            return (m_new, l_acc, *outs)
 
+        zeros = lambda: plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG)  # noqa: E731
         init = (
             plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
-            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
-            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
-            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
+            zeros(),
+            *(zeros() for _ in range(nmt)),
         )
         pipe_specs = [
             plgpu.BlockSpec((nsub, words // 64, 64), lambda i: (start_blk + i, 0, 0)),
@@ -197,10 +196,10 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
             max_concurrent_steps=cfg.max_concurrent_steps,
             init_carry=init,
         )
-        m, l_acc, o0, o1 = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])  # rec [n, 25, 64]
+        m, l_acc, *outs = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])  # rec [n, W / 64, 64]
         lsum = jnp.sum(l_acc, axis=0)
-        o_smem[0] = o0
-        o_smem[1] = o1
+        for mt, o in enumerate(outs):
+            o_smem[mt] = o
         ml_smem[0] = m
         ml_smem[1] = lsum
         plgpu.commit_smem()
@@ -209,7 +208,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         plgpu.wait_smem_to_gmem(0)
 
     out_type = (
-        jax.ShapeDtypeStruct((b, h, s, 2, TILE, NPAD), f32),
+        jax.ShapeDtypeStruct((b, h, s, nmt, TILE, NPAD), f32),
         jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
     )
     fn = plgpu.kernel(
@@ -217,9 +216,9 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         kernel_name=f"oscar_decode_int{bits}_partials",  # its name in profiles and ncu -k
         out_type=out_type,
         scratch_types=[
-            plgpu.SMEM((D, NPAD), pdt, transforms=b_tr),
+            plgpu.SMEM((d, NPAD), pdt, transforms=b_tr),
             plgpu.SMEM((nsub, TILE, NPAD), pdt, transforms=b_tr),
-            plgpu.SMEM((2, TILE, NPAD), f32),
+            plgpu.SMEM((nmt, TILE, NPAD), f32),
             plgpu.SMEM((2, NPAD), f32),
             plgpu.Barrier(num_arrivals=1),
         ],

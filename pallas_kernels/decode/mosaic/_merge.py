@@ -6,18 +6,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.record import TILE, D
+from oscar_jax.record import TILE
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
 
 
 def merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, *, g, softmax_scale=None,
                              unrotate=None, out_dtype=None):  # fmt: skip
-    """Kernel partials (log2 units) + the full-precision ring -> output [B, H, g, 128].
+    """Kernel partials (log2 units) + the full-precision ring -> output [B, H, g, D].
 
-    acc [B, H, S, 128, NPAD] (O^T), m2 / l [B, H, S, NPAD] as ``int2_decode_partials``;
-    q [B, H, g, 128] (original basis, for the ring); k_res / v_res [B, H, R, 128];
-    ring_valid [B, R] bool; ``unrotate``: maps the quantized part's acc [B, H, g, 128]
+    acc [B, H, S, D, NPAD] (O^T), m2 / l [B, H, S, NPAD] as ``int2_decode_partials``;
+    q [B, H, g, D] (original basis, for the ring); k_res / v_res [B, H, R, D];
+    ring_valid [B, R] bool; ``unrotate``: maps the quantized part's acc [B, H, g, D]
     from the rotated value basis (None: identity).
     """
     f32 = jnp.float32
@@ -49,9 +49,9 @@ def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
     """Decode attention over an INT2 cache in the fragment layout: one Mosaic GPU launch
     for the quantized tokens, then XLA for the ring and the merge.
 
-    q [B, H, g, 128] original basis, q_rot the rotated query (same shape); rec, kn, nq as
-    ``int2_decode_partials``; k_res, v_res [B, H, R, 128]; ring_valid [B, R].
-    Returns [B, H, g, 128] in q's dtype.
+    q [B, H, g, D] original basis, q_rot the rotated query (same shape); rec, kn, nq as
+    ``int2_decode_partials``; k_res, v_res [B, H, R, D]; ring_valid [B, R].
+    Returns [B, H, g, D] in q's dtype.
     """
     acc, m2, l = int2_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                                       param_dtype=param_dtype)  # fmt: skip
@@ -69,23 +69,23 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
                     step=1):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
-    acc [B, H, S, 2, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
-    partials kernel: O^T channel halves; running max in log2 units and row sums);
-    q_ring_t [B, H, 128, NPAD] in the ring's dtype (query^T, original basis, scaled by
-    softmax_scale * log2(e), heads past g zero); k_res, v_res [B, H, R, 128] bfloat16 or
+    acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
+    partials kernel: O^T channel blocks; running max in log2 units and row sums);
+    q_ring_t [B, H, D, NPAD] in the ring's dtype (query^T, original basis, scaled by
+    softmax_scale * log2(e), heads past g zero); k_res, v_res [B, H, R, D] bfloat16 or
     float16; ring_mask [B, Rp] f32 (1 valid slot, 0 not), Rp = R rounded up to 64.
-    Returns out^T [B, H, 2, 64, NPAD] f32, normalised (0 for a row with no token).
-    One CTA (one warpgroup) per (b, h, channel half c): ring tiles of 64 slots through wgmma
-    (A = K tile / V^T tile of half c from shared memory; each half's CTA computes the ring's
-    scores itself), then half c of the splits' partials rescaled to the common max. Two
-    CTAs a (b, h) halve the serial walk over the splits and double the programs of a
-    small batch.
+    Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token).
+    One CTA (one warpgroup) per (b, h, channel block c): ring tiles of 64 slots through
+    wgmma (A = K tile / V^T tile of block c from shared memory; each block's CTA computes
+    the ring's scores itself), then block c of the splits' partials rescaled to the common
+    max. D / 64 CTAs a (b, h) shorten the serial walk over the splits and multiply the
+    programs of a small batch.
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    b, h, s, _, _, _ = acc.shape
-    r = k_res.shape[2]
+    b, h, s, nmt, _, _ = acc.shape
+    r, d = k_res.shape[2:]
     rt = -(-r // TILE)
     rdt = k_res.dtype
     f32 = jnp.float32
@@ -141,8 +141,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             ring_body,
             grid=(rt,),
             in_specs=[
-                plgpu.BlockSpec((TILE, D), lambda i: (i, 0), transforms=a_tr),
-                plgpu.BlockSpec((TILE, TILE), lambda i: (i, ci), transforms=a_tr),  # half c
+                plgpu.BlockSpec((TILE, d), lambda i: (i, 0), transforms=a_tr),
+                plgpu.BlockSpec((TILE, TILE), lambda i: (i, ci), transforms=a_tr),  # block c
                 plgpu.BlockSpec((TILE,), lambda i: (i,)),
             ],
             max_concurrent_steps=min(2, rt),
@@ -182,14 +182,14 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         part_pipe = plgpu.emit_pipeline(
             part_body,
             grid=(s // step,),
-            in_specs=[  # acc [S, 128, 16]: half c's 64 channels of ``step`` splits
+            in_specs=[  # acc [S, D, 16]: block c's 64 channels of ``step`` splits
                 plgpu.BlockSpec((step, TILE, NPAD), lambda i: (i, ci, 0)),
                 plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
             ],
             max_concurrent_steps=min(4 if step == 1 else 2, s // step),
             init_carry=(m, lsum, o),
         )
-        m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, 128, 16], [S * 2, 16]
+        m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, D, 16], [S * 2, 16]
         inv = jnp.where(lsum > 0, 1.0 / jnp.where(lsum > 0, lsum, 1.0), 0.0)
         inv_b = jax.lax.broadcast_in_dim(inv, (TILE, NPAD), [1])
         o_smem[...] = o * inv_b
@@ -200,21 +200,21 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     fn = plgpu.kernel(
         kernel,
         kernel_name="oscar_decode_int2_ring_merge",  # its name in profiles and ncu -k
-        out_type=jax.ShapeDtypeStruct((b, h, 2, TILE, NPAD), f32),
+        out_type=jax.ShapeDtypeStruct((b, h, nmt, TILE, NPAD), f32),
         scratch_types=[
-            plgpu.SMEM((D, NPAD), rdt, transforms=b_tr),
+            plgpu.SMEM((d, NPAD), rdt, transforms=b_tr),
             plgpu.SMEM((TILE, NPAD), rdt, transforms=b_tr),
             plgpu.SMEM((TILE, NPAD), f32),
             plgpu.Barrier(num_arrivals=1),
         ],
-        grid=(b, h, 2),
+        grid=(b, h, nmt),
         grid_names=("b", "h", "c"),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, unsafe_no_auto_barriers=not auto_barriers
         ),
     )
     return fn(
-        acc.reshape(b, h, s, D, NPAD),
+        acc.reshape(b, h, s, d, NPAD),
         ml.reshape(b, h, s * 2, NPAD),
         q_ring_t,
         k_res,
@@ -246,5 +246,5 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
     step = merge_step_for(cfg.merge_step, acc.shape[2])
     out_t = int2_merge_ring(acc, ml, qr, k_res.astype(rdt), v_res.astype(rdt), mask,
                             auto_barriers=cfg.auto_barriers, step=step)  # fmt: skip
-    out = jnp.swapaxes(out_t.reshape(b, h, D, NPAD), -1, -2)[:, :, :g]
+    out = jnp.swapaxes(out_t.reshape(b, h, d, NPAD), -1, -2)[:, :, :g]
     return out.astype(q.dtype)
