@@ -54,6 +54,12 @@ CASES = {
     "int4_d128_record_f16": dict(
         bits=4, d=128, norm="per_head", dtype=jnp.bfloat16, layout="record"
     ),  # fmt: skip
+    "int2_d64_record_per_token_f16": dict(
+        bits=2, d=64, norm="per_token", dtype=jnp.bfloat16, layout="record"
+    ),  # fmt: skip
+    "int4_d256_record_bf16": dict(
+        bits=4, d=256, norm="per_head", dtype=jnp.bfloat16, param_dtype="bfloat16", layout="record"
+    ),  # fmt: skip
 }
 
 
