@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import models
+import oscar_jax as oj
 from models.fetch import resolve_model
 from oscar_cli.cli import _bundled_text_for
 from oscar_eval.common import make_windows, parse_methods
@@ -57,14 +58,23 @@ def say(msg: str) -> None:
     print(f"decode_vs_parallel: {msg}", file=sys.stderr, flush=True)
 
 
-def stepwise_logits(m, ids: np.ndarray, kv, cache_dtype=None) -> np.ndarray:
+def decode_backend(m, cache) -> str:
+    """The decode attention backend "auto" picks for ``cache`` on this device, and its layout."""
+    g = m.config.num_heads // m.config.num_kv_heads
+    return f"{oj.backends.choose('decode_attention', cache, g)[0]} ({cache.cfg.layout})"
+
+
+def stepwise_logits(m, ids: np.ndarray, kv, cache_dtype=None, info=None) -> np.ndarray:
     """Teacher-forced decoding through the real cache: ids [B, T] -> logits [B, T, V] f32.
 
     Token 0 goes through ``models.prefill``; token t >= 1 through ``models.decode_step``.
+    ``info`` (a dict) gets the decode backend of the layers' caches.
     """
     b, t = ids.shape
     logits, caches, p = models.prefill(m, ids[:, :1], kv, max_new_tokens=t, max_len=t + 16,
                                        cache_dtype=cache_dtype)  # fmt: skip
+    if info is not None:
+        info["backend"] = decode_backend(m, caches[0])
     out = [np.asarray(logits, np.float32)]
     for i in range(1, t):
         logits, caches = models.decode_step(p, caches, ids[:, i], np.full(b, i, np.int32),
@@ -86,15 +96,15 @@ def compare(m, ids: np.ndarray, methods, cache_dtype=None, log=None) -> list[dic
         raise ValueError(f"ids.shape={ids.shape} must be [B, T] with T >= 3")
     rows, ref = [], None
     for mt in methods:
-        t0 = time.perf_counter()
-        step = stepwise_logits(m, ids, mt.kv, cache_dtype)
+        t0, info = time.perf_counter(), {}
+        step = stepwise_logits(m, ids, mt.kv, cache_dtype, info)
         par = np.asarray(cached_logits(m, ids, mt.kv, cache_dtype), np.float32)
         if ref is None:
             ref = step  # the first method's decoded logits (bf16 when listed first)
         d = np.abs(par[:, 1:] - step[:, 1:])
         ns, np_ = _nll(step, ids)[:, 1:], _nll(par, ids)[:, 1:]
         rows.append({
-            "method": mt.name, "tokens": int(ids.shape[1]),
+            "method": mt.name, "tokens": int(ids.shape[1]), "backend": info["backend"],
             "max_diff_rel": float(d.max() / np.abs(step[:, 1:]).max()),
             "median_diff": float(np.median(d)),
             "argmax_agree": float(np.mean(par[:, 1:].argmax(-1) == step[:, 1:].argmax(-1))),
@@ -105,19 +115,19 @@ def compare(m, ids: np.ndarray, methods, cache_dtype=None, log=None) -> list[dic
         })  # fmt: skip
         if log is not None:
             r = rows[-1]
-            log(f"{mt.name}: max|d|/max|l| {r['max_diff_rel']:.2e}, argmax "
+            log(f"{mt.name} [{r['backend']}]: max|d|/max|l| {r['max_diff_rel']:.2e}, argmax "
                 f"{r['argmax_agree']:.4f}, nll {r['nll_step']:.4f} / {r['nll_par']:.4f} "
                 f"({r['seconds']} s)")  # fmt: skip
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| method | tokens | max abs diff / max abs logit | median abs diff | argmax agree "
-           "| NLL decode | NLL parallel | NLL diff | max logit change vs first method |",
-           "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| method | decode attention | tokens | max abs diff / max abs logit | median abs diff "
+           "| argmax agree | NLL decode | NLL parallel | NLL diff | max logit change vs first "
+           "method |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         out.append(
-            f"| {r['method']} | {r['tokens']} | {r['max_diff_rel']:.2e} | "
+            f"| {r['method']} | {r['backend']} | {r['tokens']} | {r['max_diff_rel']:.2e} | "
             f"{r['median_diff']:.1e} | {r['argmax_agree']:.4f} | {r['nll_step']:.4f} | "
             f"{r['nll_par']:.4f} | {r['nll_diff']:+.1e} | {r['quant_effect']:.2f} |"
         )

@@ -78,7 +78,8 @@ def test_decode_path_agrees_with_parallel_form(tiny):
         assert r["quant_effect"] > 0.5  # the quantized cache matters here
         assert r["max_diff_rel"] < 1e-3 and r["argmax_agree"] == 1.0
         assert abs(r["nll_diff"]) < 1e-4
-    assert "| oscar2_pertoken | 64 |" in dvp.markdown(rows)
+    assert all(r["backend"].endswith(")") for r in rows)  # the backend and layout, named
+    assert f"| oscar2_pertoken | {by['oscar2_pertoken']['backend']} | 64 |" in dvp.markdown(rows)
     with pytest.raises(ValueError, match="ids.shape"):
         dvp.compare(tiny, ids[:, :2], parse_methods("bf16"))
 
