@@ -58,6 +58,10 @@ def test_on_a_gpu_each_kernel_is_passed_over_by_name(monkeypatch):
     assert name == "xla" and "g=17" in why["mosaic"] and "17" in why["triton"]
     name, why = backends.choose("decode_attention", _cache(head_dim=96), 2)
     assert name == "xla" and "head_dim=96" in why["triton"]
+    bf32 = oj.init_cache(oj.preset("bf16"), batch=1, max_len=256, num_kv_heads=2, head_dim=D,
+                         dtype=jnp.float32)  # fmt: skip
+    name, why = backends.choose("decode_attention", bf32, 4)  # the bf16 kernel reads 16 bits
+    assert name == "xla" and "dtype float32" in why["triton"]
     assert backends.choose("quantized_partial", record, 4)[0] == "xla"  # mosaic unimportable
     monkeypatch.setitem(backends._RESOLVED, ("quantized_partial", "mosaic"), lambda *a, **k: 0)
     monkeypatch.setitem(backends._RESOLVED, ("quantized_partial", "triton"), lambda *a, **k: 0)
@@ -112,6 +116,7 @@ def test_an_auto_layout_is_record_where_auto_attention_would_run_mosaic(monkeypa
     assert lay(attention="pallas") == "planar" and lay(attention="xla") == "planar"
     assert lay(oj.preset("oscar", bits=4)) == "record"  # INT2 and INT4
     assert lay(oj.preset("oscar", bits=3)) == "planar"
-    assert lay(head_dim=64) == "planar" and lay(oj.preset("bf16")) == "planar"
+    assert lay(head_dim=64) == "record" and lay(head_dim=256) == "record"  # the kernel's sizes
+    assert lay(head_dim=96) == "planar" and lay(oj.preset("bf16")) == "planar"
     assert lay(kv.replace(layout="planar")) == "planar"  # a named layout is kept
     assert lay(oj.preset("kivi", bits=2, param_dtype="float32")) == "planar"

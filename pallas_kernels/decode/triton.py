@@ -86,6 +86,9 @@ def unsupported_reason(cache, g: int) -> str | None:
         return f"GQA ratio num_q_heads/num_kv_heads={g} must be <= {GP}"
     if cache.cfg.quantized and cache.cfg.bits not in (2, 4):
         return f"bits={cache.cfg.bits} must be 2 or 4 for the pallas decode kernel"
+    if not cache.cfg.quantized and cache.dtype not in (jnp.bfloat16, jnp.float16):
+        return (f"a bf16-method cache of dtype {jnp.dtype(cache.dtype).name} must be "
+                "bfloat16 or float16 for the pallas bf16 kernel")  # fmt: skip
     return None
 
 
