@@ -110,13 +110,16 @@ def mosaic_call(b, ctx, k, v, knobs, bits=2):
     converted to the kernel's record layout once, ahead of the timed calls. Returns
     (fn(q, *operands), operands), bytes read (records + norms of the quantized tokens, the
     ring). ``knobs``: Int2DecodeConfig fields (over the backend's defaults for the cache's
-    capacity and bits), and ``merge``: "mosaic" (the second launch, default) or "xla" (the
-    partials kernel + the merge in XLA, the backend's default)."""
+    capacity and bits), and ``merge``: "mosaic" (the second launch, default), "xla" (the
+    partials kernel + the merge in XLA, the backend's default) or "fused" (the ring as a
+    split of the partials kernel, one XLA merge)."""
     knobs = dict(knobs)
     merge = knobs.pop("merge", "mosaic")
-    if merge not in ("mosaic", "xla"):
-        raise ValueError(f"{merge=} must be 'mosaic' or 'xla'")
-    attention = mk.int2_decode_attention_2launch if merge == "mosaic" else mk.int2_decode_attention
+    calls = {"mosaic": mk.int2_decode_attention_2launch, "xla": mk.int2_decode_attention,
+             "fused": mk.int2_decode_attention_fused}  # fmt: skip
+    if merge not in calls:
+        raise ValueError(f"{merge=} must be one of {sorted(calls)}")
+    attention = calls[merge]
     kcfg = oj.preset("oscar", bits=bits, rotate_values=False)
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
     # the backend's defaults for this capacity and width, with the knobs given
@@ -215,7 +218,7 @@ def run_shape(b, ctx, args, log):
         (n, kn, bits)
         for n, kn, bits in (("mosaic int2", args.mosaic, 2), ("mosaic int4", args.mosaic4, 4))
         if kn is not None
-    ]
+    ] + [(f"mosaic int2 {json.dumps(kn, sort_keys=True)}", kn, 2) for kn in args.mosaic_variants]
     if args.triton4:  # the Triton INT4 kernel over a planar INT4 cache
         c4 = oj.init_cache(oj.preset("oscar", bits=4), batch=b, max_len=ctx, num_kv_heads=HKV,
                            head_dim=D)  # fmt: skip
@@ -256,6 +259,7 @@ def table(results, copy_bw, header):
     bf_cols = ["bf16 pallas (ours)", "xla einsum bf16", "cudnn bf16", "pallas gqa (best)"]
     int_cols = [c for c in ("mosaic int2", "int2", "mosaic int4", "triton int4")
                 if any(c in r for r in results.values())]  # fmt: skip
+    int_cols += sorted({c for r in results.values() for c in r if c.startswith("mosaic int2 ")})
     cols = int_cols + bf_cols
     names = {c: label(c) for c in cols}
     extra_h = [f"fastest BF16 / {names[c]} | {names[c]} GB/s (% of copy)" for c in int_cols]
@@ -374,6 +378,9 @@ def main():
     ap.add_argument(
         "--triton4", action="store_true", help="also time the Triton kernel over an INT4 cache"
     )
+    ap.add_argument("--mosaic-variants", type=json.loads, default=[],
+                    help="JSON list of knob dicts: more Mosaic INT2 rows, e.g. "
+                    "'[{\"merge\": \"fused\"}]'")  # fmt: skip
     ap.add_argument("--layer", default="32x8x128",
                     help="query heads x KV heads x head_dim (Qwen3-8B: 32x8x128)")  # fmt: skip
     ap.add_argument("--copy-mib", type=int, default=2048)

@@ -236,6 +236,32 @@ def test_splits_fill_whole_rounds_of_resident_programs(b, lq, want):
     assert mk.Int2DecodeConfig(splits=3).num_splits(b, 8, lq) == 3
 
 
+def test_fused_merge_is_the_lse_merge_of_its_splits():
+    """merge="fused"'s XLA part: S quantized splits (rotated value basis) and the ring's split
+    last, merged by log-sum-exp; an empty split (max -1e30, sum 0) and an empty row give 0."""
+    rng = np.random.default_rng(0)
+    b, h, s, g, d = 2, 2, 4, 3, 128
+    acc = rng.normal(size=(b, h, s + 1, d // 64, 64, mk.NPAD)).astype(np.float32)
+    m2 = rng.normal(size=(b, h, s + 1, mk.NPAD)).astype(np.float32) * 4
+    rs = rng.uniform(0.5, 2.0, size=(b, h, s + 1, mk.NPAD)).astype(np.float32)  # row sums
+    m2[0, 0, 1], rs[0, 0, 1], acc[0, 0, 1] = -1e30, 0.0, 0.0  # a split with no token
+    m2[1, 1], rs[1, 1], acc[1, 1] = -1e30, 0.0, 0.0  # a row with no token at all
+    ml = np.stack([m2, rs], 3)
+    rot = np.linalg.qr(rng.normal(size=(d, d)))[0].astype(np.float32)
+    got = mk.merge_splits_with_ring_split(
+        jnp.asarray(acc), jnp.asarray(ml), g=g, unrotate=lambda x: x @ rot, out_dtype=jnp.float32
+    )
+    a = np.swapaxes(acc.reshape(b, h, s + 1, d, mk.NPAD), -1, -2)[..., :g, :].astype(np.float64)
+    mm, ll = m2[..., :g].astype(np.float64), rs[..., :g].astype(np.float64)
+    w = np.exp2(mm - mm.max(2, keepdims=True))
+    num = np.einsum("bhsgd,bhsg->bhgd", a[:, :, :s], w[:, :, :s]) @ rot
+    num += a[:, :, s] * w[:, :, s, :, None]
+    den = (ll * w).sum(2)
+    want = np.where(den[..., None] > 0, num / np.where(den > 0, den, 1)[..., None], 0)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+    assert not np.asarray(got)[1, 1].any()
+
+
 def test_merge_step_divides_the_splits():
     assert [mk.merge_step_for(8, s) for s in (1, 2, 4, 8, 16, 32, 33, 12, 7)] == [
         1, 2, 4, 8, 8, 8, 3, 6, 7,
@@ -282,14 +308,16 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
     if stage == "full":
         ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
                 s((b, 160), jnp.bool_))  # fmt: skip
-        fn = jax.jit(lambda *a: mk.int2_decode_attention_2launch(*a, cfg=cfg))
-        fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
+        for call in (mk.int2_decode_attention_2launch, mk.int2_decode_attention_fused):
+            fn = jax.jit(lambda *a, call=call: call(*a, cfg=cfg))
+            fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("merge,rotate_values,bits,d", [
     ("xla", True, 2, 128), ("mosaic", False, 2, 128), ("xla", True, 4, 128),
     ("mosaic", False, 4, 128), ("xla", True, 2, 64), ("mosaic", False, 4, 256),
+    ("fused", True, 2, 128), ("fused", False, 4, 64),
 ])  # fmt: skip
 def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits, d):
     """The "mosaic" backend's call on a layout='record' cache (its arrays read as they are)."""
@@ -420,8 +448,35 @@ class TestMosaicGPU:
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
 
     @pytest.mark.parametrize(
+        "lengths,g,param_dtype,kw",
+        [
+            ([3000, 0, 150], 4, "float16", dict()),  # values rotated, an empty row
+            ([2000, 1999], 7, "bfloat16", dict(rotate_values=False, block_tokens=128)),
+            ([990, 481], 3, "float16", dict(d=64)),
+            ([3100, 33], 8, "bfloat16", dict(d=256, bits=4, rotate_values=False)),
+            ([2900, 0, 77], 6, "float16", dict(bits=4, d=64, block_tokens=64)),
+        ],
+    )
+    def test_fused_ring_split_matches_xla(self, lengths, g, param_dtype, kw):
+        """merge="fused": the ring walked by one more split of the partials kernel."""
+        kw = dict(kw)
+        knobs = {k: kw.pop(k) for k in ("block_tokens",) if k in kw}
+        d = kw.get("d", D)
+        c = _cache(sum(lengths) + 3, len(lengths), lengths, param_dtype=param_dtype,
+                   max_len=4096 + 160, **kw)  # fmt: skip
+        q = query(len(lengths) + 3, len(lengths), 2 * g, d, _qdtype(param_dtype))
+        cfg = mk.Int2DecodeConfig(**knobs) if knobs else None
+        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge="fused",
+                                                              convert=True))(q, c)  # fmt: skip
+        want = oj.decode_attention(q, c, implementation="xla")
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+    @pytest.mark.parametrize(
         "b,merge,knobs",
         [
+            (48, "fused", dict()),
+            (16, "fused", dict(splits=1, d=64)),
             (48, "xla", dict()),
             (48, "mosaic", dict()),
             (48, "mosaic", dict(merge_step=1)),

@@ -27,6 +27,8 @@ import where the kernel cannot run). Entry points (the record layout itself:
     prep, output transpose). Values must be in the original basis (no run-time un-rotation).
   * ``int2_decode_attention(...same..., unrotate=None)``: the partials kernel + the ring
     and merge in XLA (~10 small fusions), with an optional value un-rotation.
+  * ``int2_decode_attention_fused(...same..., unrotate=None)``: the ring as one more split of
+    the partials kernel (K / V tiles from shared memory), then one LSE merge in XLA.
   * ``int2_decode_partials(q_rot, rec, kn, nq, *, cfg, ...) -> (acc, m, l)``: the kernel
     alone (split partials, log2 units), e.g. for sequence-sharded callers.
 
@@ -83,15 +85,18 @@ from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
 from pallas_kernels.decode.mosaic._merge import (
     int2_decode_attention,
     int2_decode_attention_2launch,
+    int2_decode_attention_fused,
     int2_merge_ring,
     merge_partials_with_ring,
+    merge_splits_with_ring_split,
     merge_step_for,
 )
 
 __all__ = [
     "D", "G", "LOG2E", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WORDS", "Int2DecodeConfig",
     "decode_attention_mosaic", "default_config", "fragment_layout", "fragment_layout_inverse",
-    "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_partials",
-    "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring", "merge_step_for",
+    "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_attention_fused",
+    "int2_decode_partials", "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring",
+    "merge_splits_with_ring_split", "merge_step_for",
     "offsets", "quantized_partial_mosaic", "record_words", "unsupported_reason",
 ]  # fmt: skip

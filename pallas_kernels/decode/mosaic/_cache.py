@@ -10,7 +10,13 @@ from oscar_jax.cache import _residual_tokens
 from oscar_jax.record import TILE, fragment_layout, record_words
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
-from pallas_kernels.decode.mosaic._merge import int2_decode_attention, int2_decode_attention_2launch
+from pallas_kernels.decode.mosaic._merge import (
+    int2_decode_attention,
+    int2_decode_attention_2launch,
+    int2_decode_attention_fused,
+)
+
+MERGES = ("auto", "xla", "mosaic", "fused")  # how the ring and the splits are merged
 
 
 def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
@@ -82,7 +88,9 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     call (exact, but it reads and writes the whole quantized part: a check of the kernel,
     not for speed). The query is rotated in XLA; the ring and the merge: ``merge="xla"`` by
     ``merge_partials_with_ring``, ``"mosaic"`` by the second Mosaic launch
-    (``int2_decode_attention_2launch``; values must not be rotated), ``"auto"`` XLA: end to
+    (``int2_decode_attention_2launch``; values must not be rotated), ``"fused"`` the ring as
+    one more split of the partials kernel and one XLA merge of the splits
+    (``int2_decode_attention_fused``), ``"auto"`` XLA: end to
     end the XLA merge is 3% faster at 1 x 128K and level at the largest batch at 32K
     (BENCHMARKS.md, both merges in one run). INT2 or INT4 records (the cache's bits). NaN for
     FLAG_NONFINITE rows as the library's attention. ValueError for a cache
@@ -92,8 +100,8 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     reason = unsupported_reason(cache, g, convert)
     if reason is not None:
         raise ValueError(f"decode_attention_mosaic: {reason}")
-    if merge not in ("auto", "xla", "mosaic"):
-        raise ValueError(f"{merge=} must be 'auto', 'xla' or 'mosaic'")
+    if merge not in MERGES:
+        raise ValueError(f"{merge=} must be one of {MERGES}")
     kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
     if merge == "mosaic" and kcfg.rotate_values:
         raise ValueError("merge='mosaic' needs values stored unrotated (rotate_values=False)")
@@ -111,9 +119,9 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
                                             param_dtype=pdt)  # fmt: skip
     else:
         unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
-        out = int2_decode_attention(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
-                                    ring_valid, cfg=cfg, softmax_scale=softmax_scale,
-                                    param_dtype=pdt, unrotate=unrot)  # fmt: skip
+        call = int2_decode_attention_fused if merge == "fused" else int2_decode_attention
+        out = call(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res, ring_valid, cfg=cfg,
+                   softmax_scale=softmax_scale, param_dtype=pdt, unrotate=unrot)  # fmt: skip
     return att.poison_flagged_rows(out.reshape(q.shape).astype(q.dtype), cache)
 
 

@@ -11,6 +11,7 @@ import numpy as np
 from oscar_jax.record import TILE, record_format
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
+from pallas_kernels.decode.mosaic._ring import ring_walk
 
 
 def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
@@ -23,16 +24,20 @@ def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2Deco
 
 
 def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
-                  softmax_scale=None, param_dtype=jnp.float16):  # fmt: skip
-    """Split-K partials of the quantized part.
+                  softmax_scale=None, param_dtype=jnp.float16, ring=None):  # fmt: skip
+    """Split-K partials of the quantized part (and, with ``ring``, of the ring as one more
+    split).
 
     q_rot [B, H, g, D] (rotated query, g <= 16 query heads per KV head, any float dtype;
     D = 64, 128 or 256); rec [B, H, Lp/64, W] uint32 (``record_words(bits, D)``: 1600 / 2560
     at D = 128), kn [B, H, Lp] f32 (``fragment_layout``); nq [B] int32 quantized tokens per
     row (0 <= nq <= Lp).
-    Returns acc [B, H, S, D / 64, 64, 16] f32 (unnormalised O^T by channel blocks), ml
-    [B, H, S, 2, 16] f32 (running max of the scores in log2 units, -inf-like -1e30 for an
-    empty split; the row sums).
+    ring: None, or (qr [B, H, D, 16] the query for the ring as ``_ring.ring_query`` makes
+    it, k_res, v_res [B, H, R, D] in qr's 16-bit dtype, mask [B, Rp] f32 as
+    ``_ring.ring_mask``): split S (the last) walks the ring instead of records.
+    Returns acc [B, H, S (+ 1), D / 64, 64, 16] f32 (unnormalised O^T by channel blocks), ml
+    [B, H, S (+ 1), 2, 16] f32 (running max of the scores in log2 units, -inf-like -1e30 for
+    an empty split; the row sums).
     """
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -65,152 +70,193 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     WG = plgpu.Layout.WGMMA
     stage = "full" if cfg.stage == "nofma" else cfg.stage
 
-    def kernel(q_ref, rec_ref, kn_ref, nq_ref, acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem,
-               q_bar):  # fmt: skip
+    def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
+        if ring is None:
+            acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem, q_bar = refs
+        else:
+            qr_ref, kr_ref, vr_ref, mask_ref, acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem, \
+                q_bar, qr_smem, pr_smem, qr_bar = refs  # fmt: skip
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
         si = jax.lax.axis_index("s")
-        nqv = nq_ref[bi]
-        start_blk = si * bps
-        nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
-        plgpu.barrier_wait(q_bar)
 
-        def body(idxs, r_smem, n_smem, carry):
-            (it,) = idxs
-            m_prev, l_acc, *outs = carry
-            t_base = (start_blk + it) * bt
-            if stage in ("stream", "dequant"):
-                touch = stream_touch if stage == "stream" else dequant_touch
-                x = None
-                for jt in range(nsub):
-                    strided = plgpu.Layout.WG_STRIDED((128,), 1)
-                    y = plgpu.inline_mgpu(
-                        arg_types=(plgpu.RefType(),),
-                        return_type=plgpu.ShapeDtypeStruct((128,), jnp.uint32, layout=strided),
-                    )(functools.partial(touch, row=jt))(r_smem)  # fmt: skip
-                    x = y if x is None else x ^ y
-                # one cross-warp reduction per block (as the softmax max of 'full')
-                return (m_prev, l_acc + jnp.sum((x & 1).astype(jnp.int32)).astype(f32), *outs)
+        def write(m, l_acc, outs):  # this split's partials -> acc_out / ml_out
+            lsum = jnp.sum(l_acc, axis=0)
+            for mt, o in enumerate(outs):
+                o_smem[mt] = o
+            ml_smem[0] = m
+            ml_smem[1] = lsum
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
+            plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
+            plgpu.wait_smem_to_gmem(0)
 
-            def issue_qk(acc_ref, jt):
-                """Dequantize key subtile jt into the fragment layout and issue its wgmma."""
-                if cfg.split_operands:  # K = 64 channel blocks: fewer live registers
-                    for hf in range(nmt):
+        def records():
+            """Split si of the quantized part (its blocks of records) -> ``write``."""
+            nqv = nq_ref[bi]
+            start_blk = si * bps
+            nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+            plgpu.barrier_wait(q_bar)
+
+            def body(idxs, r_smem, n_smem, carry):
+                (it,) = idxs
+                m_prev, l_acc, *outs = carry
+                t_base = (start_blk + it) * bt
+                if stage in ("stream", "dequant"):
+                    touch = stream_touch if stage == "stream" else dequant_touch
+                    x = None
+                    for jt in range(nsub):
+                        strided = plgpu.Layout.WG_STRIDED((128,), 1)
+                        y = plgpu.inline_mgpu(
+                            arg_types=(plgpu.RefType(),),
+                            return_type=plgpu.ShapeDtypeStruct((128,), jnp.uint32, layout=strided),
+                        )(functools.partial(touch, row=jt))(r_smem)  # fmt: skip
+                        x = y if x is None else x ^ y
+                    # one cross-warp reduction per block (as the softmax max of 'full')
+                    return (m_prev, l_acc + jnp.sum((x & 1).astype(jnp.int32)).astype(f32), *outs)
+
+                def issue_qk(acc_ref, jt):
+                    """Dequantize key subtile jt into the fragment layout and issue its wgmma."""
+                    if cfg.split_operands:  # K = 64 channel blocks: fewer live registers
+                        for hf in range(nmt):
+                            kf = plgpu.inline_mgpu(
+                                arg_types=(plgpu.RefType(),),
+                                return_type=plgpu.ShapeDtypeStruct((TILE, 64), pdt, layout=WG),
+                            )(functools.partial(key_frag, row=jt, half=hf))(r_smem)  # fmt: skip
+                            plgpu.wgmma(acc_ref, kf, q_smem.at[pl.ds(hf * 64, 64)])
+                    else:
                         kf = plgpu.inline_mgpu(
                             arg_types=(plgpu.RefType(),),
-                            return_type=plgpu.ShapeDtypeStruct((TILE, 64), pdt, layout=WG),
-                        )(functools.partial(key_frag, row=jt, half=hf))(r_smem)  # fmt: skip
-                        plgpu.wgmma(acc_ref, kf, q_smem.at[pl.ds(hf * 64, 64)])
-                else:
-                    kf = plgpu.inline_mgpu(
-                        arg_types=(plgpu.RefType(),),
-                        return_type=plgpu.ShapeDtypeStruct((TILE, d), pdt, layout=WG),
-                    )(functools.partial(key_frag, row=jt))(r_smem)  # fmt: skip
-                    plgpu.wgmma(acc_ref, kf, q_smem)
+                            return_type=plgpu.ShapeDtypeStruct((TILE, d), pdt, layout=WG),
+                        )(functools.partial(key_frag, row=jt))(r_smem)  # fmt: skip
+                        plgpu.wgmma(acc_ref, kf, q_smem)
 
-            def scores(sc, jt):
-                """Raw S^T of subtile jt -> times the token norms, invalid tokens at NEG."""
-                nrm = plgpu.load(n_smem.at[jt], layout=WG.reduce(1))  # [64] f32
-                sc = sc * jax.lax.broadcast_in_dim(nrm, (TILE, NPAD), [0])
-                tok = (
-                    t_base
-                    + jt * TILE
-                    + plgpu.broadcasted_iota(jnp.int32, (TILE, NPAD), 0, layout=WG)
-                )
-                return jnp.where(tok < nqv, sc, NEG)
+                def scores(sc, jt):
+                    """Raw S^T of subtile jt -> times the token norms, invalid tokens at NEG."""
+                    nrm = plgpu.load(n_smem.at[jt], layout=WG.reduce(1))  # [64] f32
+                    sc = sc * jax.lax.broadcast_in_dim(nrm, (TILE, NPAD), [0])
+                    tok = (
+                        t_base
+                        + jt * TILE
+                        + plgpu.broadcasted_iota(jnp.int32, (TILE, NPAD), 0, layout=WG)
+                    )
+                    return jnp.where(tok < nqv, sc, NEG)
 
-            if cfg.overlap_keys:  # all key wgmma of the block in flight before one wait
+                if cfg.overlap_keys:  # all key wgmma of the block in flight before one wait
 
-                def qk_all(*acc_refs):
-                    for jt, acc_ref in enumerate(acc_refs):
-                        issue_qk(acc_ref, jt)
-                    plgpu.wgmma_wait(0)
-                    return tuple(a[...] for a in acc_refs)
+                    def qk_all(*acc_refs):
+                        for jt, acc_ref in enumerate(acc_refs):
+                            issue_qk(acc_ref, jt)
+                        plgpu.wgmma_wait(0)
+                        return tuple(a[...] for a in acc_refs)
 
-                raw = pl.run_scoped(qk_all, *[plgpu.ACC((TILE, NPAD), f32) for _ in range(nsub)])
-                ss = [scores(sc, jt) for jt, sc in enumerate(raw)]
-            else:  # one subtile at a time (the measured configuration)
-                ss = []
-                for jt in range(nsub):
+                    raw = pl.run_scoped(
+                        qk_all, *[plgpu.ACC((TILE, NPAD), f32) for _ in range(nsub)]
+                    )
+                    ss = [scores(sc, jt) for jt, sc in enumerate(raw)]
+                else:  # one subtile at a time (the measured configuration)
+                    ss = []
+                    for jt in range(nsub):
 
-                    def qk(acc_ref, jt=jt):
-                        issue_qk(acc_ref, jt)
-                        return acc_ref[...]
+                        def qk(acc_ref, jt=jt):
+                            issue_qk(acc_ref, jt)
+                            return acc_ref[...]
 
-                    ss.append(scores(pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32)), jt))
-            mx = ss[0]
-            for sc in ss[1:]:
-                mx = jnp.maximum(mx, sc)
-            m_new = jnp.maximum(m_prev, jnp.max(mx, axis=0))
-            corr = jnp.exp2(m_prev - m_new)
-            corr_b = jax.lax.broadcast_in_dim(corr, (TILE, NPAD), [1])
-            m_b = jax.lax.broadcast_in_dim(m_new, (TILE, NPAD), [1])
-            l_acc = l_acc * corr_b
-            ps = []
-            for sc in ss:
-                p = jnp.exp2(sc - m_b)
-                l_acc = l_acc + p
-                ps.append(p)
-            if stage == "keys":
-                return (m_new, l_acc, *(o * corr_b for o in outs))
-            for jt, p in enumerate(ps):
-                p_smem[jt] = p.astype(pdt)
-            plgpu.commit_smem()
-            outs = [o * corr_b for o in outs]
-            vt = plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG)
+                        ss.append(scores(pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32)), jt))
+                mx = ss[0]
+                for sc in ss[1:]:
+                    mx = jnp.maximum(mx, sc)
+                m_new = jnp.maximum(m_prev, jnp.max(mx, axis=0))
+                corr = jnp.exp2(m_prev - m_new)
+                corr_b = jax.lax.broadcast_in_dim(corr, (TILE, NPAD), [1])
+                m_b = jax.lax.broadcast_in_dim(m_new, (TILE, NPAD), [1])
+                l_acc = l_acc * corr_b
+                ps = []
+                for sc in ss:
+                    p = jnp.exp2(sc - m_b)
+                    l_acc = l_acc + p
+                    ps.append(p)
+                if stage == "keys":
+                    return (m_new, l_acc, *(o * corr_b for o in outs))
+                for jt, p in enumerate(ps):
+                    p_smem[jt] = p.astype(pdt)
+                plgpu.commit_smem()
+                outs = [o * corr_b for o in outs]
+                vt = plgpu.ShapeDtypeStruct((TILE, TILE), pdt, layout=WG)
 
-            def pv(accs):
-                for jt in range(nsub):
-                    if cfg.split_operands:  # one channel block at a time
-                        for mt, a in enumerate(accs):
-                            (v,) = plgpu.inline_mgpu(
-                                arg_types=(plgpu.RefType(),),
-                                return_type=(vt,),
-                            )(functools.partial(value_frags, row=jt, mts=(mt,)))(r_smem)
+                def pv(accs):
+                    for jt in range(nsub):
+                        if cfg.split_operands:  # one channel block at a time
+                            for mt, a in enumerate(accs):
+                                (v,) = plgpu.inline_mgpu(
+                                    arg_types=(plgpu.RefType(),),
+                                    return_type=(vt,),
+                                )(functools.partial(value_frags, row=jt, mts=(mt,)))(r_smem)
+                                plgpu.wgmma(a, v, p_smem.at[jt])
+                            continue
+                        vs = plgpu.inline_mgpu(
+                            arg_types=(plgpu.RefType(),), return_type=(vt,) * nmt,
+                        )(functools.partial(value_frags, row=jt))(r_smem)  # fmt: skip
+                        for a, v in zip(accs, vs, strict=True):
                             plgpu.wgmma(a, v, p_smem.at[jt])
-                        continue
-                    vs = plgpu.inline_mgpu(
-                        arg_types=(plgpu.RefType(),), return_type=(vt,) * nmt,
-                    )(functools.partial(value_frags, row=jt))(r_smem)  # fmt: skip
-                    for a, v in zip(accs, vs, strict=True):
-                        plgpu.wgmma(a, v, p_smem.at[jt])
 
-            outs = pl.run_state(pv)(tuple(plgpu.ACC.init(o) for o in outs))
-            return (m_new, l_acc, *outs)
+                outs = pl.run_state(pv)(tuple(plgpu.ACC.init(o) for o in outs))
+                return (m_new, l_acc, *outs)
 
-        zeros = lambda: plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG)  # noqa: E731
-        init = (
-            plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
-            zeros(),
-            *(zeros() for _ in range(nmt)),
-        )
-        pipe_specs = [
-            plgpu.BlockSpec((nsub, words // 64, 64), lambda i: (start_blk + i, 0, 0)),
-            plgpu.BlockSpec((nsub, TILE), lambda i: (start_blk + i, 0)),
-        ]
-        pipe = plgpu.emit_pipeline(
-            body,
-            grid=(nblk,),
-            in_specs=pipe_specs,
-            max_concurrent_steps=cfg.max_concurrent_steps,
-            init_carry=init,
-        )
-        m, l_acc, *outs = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])  # rec [n, W / 64, 64]
-        lsum = jnp.sum(l_acc, axis=0)
-        for mt, o in enumerate(outs):
-            o_smem[mt] = o
-        ml_smem[0] = m
-        ml_smem[1] = lsum
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
-        plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
-        plgpu.wait_smem_to_gmem(0)
+            zeros = lambda: plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG)  # noqa: E731
+            init = (
+                plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
+                zeros(),
+                *(zeros() for _ in range(nmt)),
+            )
+            pipe_specs = [
+                plgpu.BlockSpec((nsub, words // 64, 64), lambda i: (start_blk + i, 0, 0)),
+                plgpu.BlockSpec((nsub, TILE), lambda i: (start_blk + i, 0)),
+            ]
+            pipe = plgpu.emit_pipeline(
+                body,
+                grid=(nblk,),
+                in_specs=pipe_specs,
+                max_concurrent_steps=cfg.max_concurrent_steps,
+                init_carry=init,
+            )
+            m, l_acc, *outs = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])  # rec [n, W / 64, 64]
+            write(m, l_acc, outs)
 
+        if ring is None:
+            records()
+            return
+
+        @pl.when(si < s)
+        def _():
+            records()
+
+        @pl.when(si == s)
+        def _():
+            plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
+            plgpu.barrier_wait(qr_bar)
+            m, l_acc, *outs = ring_walk(
+                qr_smem,
+                pr_smem,
+                kr_ref.at[bi, hi],
+                vr_ref.at[bi, hi],
+                mask_ref.at[bi],
+                range(nmt),
+                slots=ring[1].shape[2],
+            )
+            write(m, l_acc, outs)
+
+    sr = s + (ring is not None)  # splits written
     out_type = (
-        jax.ShapeDtypeStruct((b, h, s, nmt, TILE, NPAD), f32),
-        jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
+        jax.ShapeDtypeStruct((b, h, sr, nmt, TILE, NPAD), f32),
+        jax.ShapeDtypeStruct((b, h, sr, 2, NPAD), f32),
     )
+    ring_scratch = [] if ring is None else [
+        plgpu.SMEM((d, NPAD), ring[0].dtype, transforms=b_tr),
+        plgpu.SMEM((TILE, NPAD), ring[0].dtype, transforms=b_tr),
+        plgpu.Barrier(num_arrivals=1),
+    ]  # fmt: skip
     fn = plgpu.kernel(
         kernel,
         kernel_name=f"oscar_decode_int{bits}_partials",  # its name in profiles and ncu -k
@@ -221,8 +267,9 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
             plgpu.SMEM((nmt, TILE, NPAD), f32),
             plgpu.SMEM((2, NPAD), f32),
             plgpu.Barrier(num_arrivals=1),
+            *ring_scratch,
         ],
-        grid=(b, h, s),
+        grid=(b, h, sr),
         grid_names=("b", "h", "s"),
         compiler_params=plgpu.CompilerParams(
             approx_math=True,
@@ -231,4 +278,4 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         ),
     )
     rec3 = rec.reshape(b, h, nrec, words // 64, 64)  # TMA boxes are <= 256 per dimension
-    return fn(qt, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32))
+    return fn(qt, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *(ring or ()))

@@ -9,6 +9,7 @@ import numpy as np
 from oscar_jax.record import TILE
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
+from pallas_kernels.decode.mosaic._ring import ring_dtype, ring_mask, ring_query, ring_walk
 
 
 def merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, *, g, softmax_scale=None,
@@ -59,6 +60,39 @@ def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
                                     softmax_scale=softmax_scale, unrotate=unrotate)  # fmt: skip
 
 
+def merge_splits_with_ring_split(acc, ml, *, g, unrotate=None, out_dtype):
+    """The LSE merge of ``merge="fused"``'s partials, whose last split is the ring's:
+    acc [B, H, S + 1, D / 64, 64, NPAD], ml [B, H, S + 1, 2, NPAD] -> [B, H, g, D].
+    ``unrotate`` maps the quantized splits' sum from the rotated value basis (the ring's
+    values are in the original basis)."""
+    b, h, sr = acc.shape[:3]
+    d = acc.shape[3] * TILE
+    acc = jnp.swapaxes(acc.reshape(b, h, sr, d, NPAD), -1, -2)[..., :g, :]  # [B, H, S+1, g, D]
+    m2, l = ml[..., 0, :g], ml[..., 1, :g]
+    w = jnp.exp2(m2 - jnp.max(m2, axis=2, keepdims=True))  # [B, H, S+1, g]
+    qacc = jnp.sum(acc[:, :, :-1] * w[:, :, :-1, :, None], axis=2)
+    if unrotate is not None:
+        qacc = unrotate(qacc)
+    lsum = jnp.sum(l * w, axis=2)
+    out = (qacc + acc[:, :, -1] * w[:, :, -1, :, None]) / jnp.where(lsum > 0, lsum, 1.0)[..., None]
+    return jnp.where(lsum[..., None] > 0, out, 0.0).astype(out_dtype)
+
+
+def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+                                cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
+                                param_dtype=jnp.float16, unrotate=None):  # fmt: skip
+    """As ``int2_decode_attention``, with the ring walked inside the partials kernel as one
+    more split (its K / V tiles wgmma operands from shared memory), so that what is left to
+    XLA is the query prep and one LSE merge of the splits: fewer launches at small batch."""
+    rdt = ring_dtype(k_res)
+    ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
+            ring_mask(ring_valid))  # fmt: skip
+    acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
+                            param_dtype=param_dtype, ring=ring)  # fmt: skip
+    return merge_splits_with_ring_split(acc, ml, g=q.shape[2], unrotate=unrotate,
+                                        out_dtype=q.dtype)  # fmt: skip
+
+
 def merge_step_for(merge_step: int, splits: int) -> int:
     """Splits the merge launch combines a pipeline step: the largest divisor of the split
     count that is <= ``merge_step`` (no empty splits to pad with)."""
@@ -81,21 +115,14 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     max. D / 64 CTAs a (b, h) shorten the serial walk over the splits and multiply the
     programs of a small batch.
     """
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, h, s, nmt, _, _ = acc.shape
     r, d = k_res.shape[2:]
-    rt = -(-r // TILE)
     rdt = k_res.dtype
     f32 = jnp.float32
-    NEG = -1e30
     WG = plgpu.Layout.WGMMA
     b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
-    a_tr = (
-        plgpu.TilingTransform((8, 16)),
-        plgpu.SwizzleTransform(32),
-    )  # wgmma wants A and B swizzles equal
 
     def kernel(
         acc_ref, ml_ref, q_ref, k_ref, v_ref, mask_ref, out_ref, q_smem, p_smem, o_smem, q_bar
@@ -105,50 +132,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         ci = jax.lax.axis_index("c")
         plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
-
-        def ring_body(idxs, k_smem, v_smem, m_smem, carry):
-            m_prev, l_acc, o = carry
-
-            def qk(acc_ref_):
-                plgpu.wgmma(acc_ref_, k_smem, q_smem)
-                return acc_ref_[...]
-
-            sc = pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32))
-            msk = plgpu.load(m_smem, layout=WG.reduce(1))  # [64]
-            ok = jax.lax.broadcast_in_dim(msk, (TILE, NPAD), [0]) > 0.5
-            sc = jnp.where(ok, sc, NEG)
-            m_new = jnp.maximum(m_prev, jnp.max(sc, axis=0))
-            corr = jax.lax.broadcast_in_dim(jnp.exp2(m_prev - m_new), (TILE, NPAD), [1])
-            p = jnp.where(
-                ok, jnp.exp2(sc - jax.lax.broadcast_in_dim(m_new, (TILE, NPAD), [1])), 0.0
-            )
-            l_acc = l_acc * corr + p
-            p_smem[...] = p.astype(rdt)
-            plgpu.commit_smem()
-
-            def pv(acc_ref_):
-                plgpu.wgmma(acc_ref_, v_smem.transpose((1, 0)), p_smem)
-
-            o = pl.run_state(pv)(plgpu.ACC.init(o * corr))
-            return m_new, l_acc, o
-
-        init = (
-            plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
-            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
-            plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG),
-        )
-        ring_pipe = plgpu.emit_pipeline(
-            ring_body,
-            grid=(rt,),
-            in_specs=[
-                plgpu.BlockSpec((TILE, d), lambda i: (i, 0), transforms=a_tr),
-                plgpu.BlockSpec((TILE, TILE), lambda i: (i, ci), transforms=a_tr),  # block c
-                plgpu.BlockSpec((TILE,), lambda i: (i,)),
-            ],
-            max_concurrent_steps=min(2, rt),
-            init_carry=init,
-        )
-        m, l_acc, o = ring_pipe(k_ref.at[bi, hi], v_ref.at[bi, hi], mask_ref.at[bi])
+        m, l_acc, o = ring_walk(q_smem, p_smem, k_ref.at[bi, hi], v_ref.at[bi, hi],
+                                mask_ref.at[bi], (ci,), slots=r)  # fmt: skip
         lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
         # The splits' pipeline's first TMA copies (async proxy) land in scoped shared memory
         # that the ring's pipeline and this cross-warp sum's scratch just used through plain
@@ -233,18 +218,14 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
     from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
 
     b, h, g, d = q.shape
-    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
     acc, ml = _partials_raw(
         q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale, param_dtype=param_dtype
     )
-    rdt = k_res.dtype if k_res.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
-    qr = jnp.pad(q.astype(jnp.float32) * (scale * LOG2E), ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
-    qr = jnp.swapaxes(qr, -1, -2).astype(rdt)
-    r = k_res.shape[2]
-    rp = -(-r // TILE) * TILE
-    mask = jnp.pad(ring_valid.astype(jnp.float32), ((0, 0), (0, rp - r)))
+    rdt = ring_dtype(k_res)
+    qr = ring_query(q, softmax_scale, rdt)
     step = merge_step_for(cfg.merge_step, acc.shape[2])
-    out_t = int2_merge_ring(acc, ml, qr, k_res.astype(rdt), v_res.astype(rdt), mask,
-                            auto_barriers=cfg.auto_barriers, step=step)  # fmt: skip
+    out_t = int2_merge_ring(acc, ml, qr, k_res.astype(rdt), v_res.astype(rdt),
+                            ring_mask(ring_valid), auto_barriers=cfg.auto_barriers,
+                            step=step)  # fmt: skip
     out = jnp.swapaxes(out_t.reshape(b, h, d, NPAD), -1, -2)[:, :, :g]
     return out.astype(q.dtype)

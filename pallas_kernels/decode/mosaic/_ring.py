@@ -1,0 +1,104 @@
+"""The full-precision ring inside a Mosaic kernel: one online-softmax walk over its tiles.
+
+Shared by the merge launch (``_merge.int2_merge_ring``: one channel block a CTA) and the
+partials kernel's ring split (``_kernel``, ``merge="fused"``: every channel block in one
+CTA). Scores are in log2 units (the query carries softmax_scale * log2(e)).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax.record import TILE
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD
+
+NEG = -1e30
+
+
+def ring_query(q, softmax_scale, dtype):
+    """q [B, H, g, D] (original basis) -> [B, H, D, NPAD] in ``dtype``: scaled by
+    softmax_scale * log2(e), heads past g zero, transposed (the wgmma B operand)."""
+    d, g = q.shape[-1], q.shape[2]
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    qr = jnp.pad(q.astype(jnp.float32) * (scale * LOG2E), ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
+    return jnp.swapaxes(qr, -1, -2).astype(dtype)
+
+
+def ring_mask(ring_valid):
+    """ring_valid [B, R] bool -> [B, Rp] float32 (1 valid slot, 0 not; Rp = R rounded up to
+    a tile)."""
+    r = ring_valid.shape[1]
+    return jnp.pad(ring_valid.astype(jnp.float32), ((0, 0), (0, -(-r // TILE) * TILE - r)))
+
+
+def ring_dtype(k_res):
+    """The 16-bit dtype the kernels read the ring in (a float32 ring is cast to bfloat16)."""
+    return k_res.dtype if k_res.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+
+
+def ring_walk(q_smem, p_smem, k_ref, v_ref, mask_ref, blocks, *, slots: int):
+    """Online softmax of the ring against the query in ``q_smem`` [D, NPAD].
+
+    k_ref, v_ref [R, D] (16-bit, gmem), mask_ref [Rp] f32; ``blocks``: the channel blocks of
+    64 to accumulate (ints or a traced index). p_smem [64, NPAD] scratch in the ring's dtype.
+    Returns (m [NPAD] running max, l [64, NPAD] per-element row sums, one O^T [64, NPAD]
+    accumulator per block), f32 in the WGMMA layouts. K and V^T tiles are wgmma A operands
+    from shared memory, so the ring costs no unpack."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    f32 = jnp.float32
+    WG = plgpu.Layout.WGMMA
+    a_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))  # as the B swizzle
+    d = k_ref.shape[-1]
+    rt = -(-slots // TILE)
+    nb = len(blocks)
+
+    def body(idxs, k_smem, *refs):
+        *v_smems, m_smem, carry = refs
+        m_prev, l_acc, *outs = carry
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, k_smem, q_smem)
+            return acc_ref[...]
+
+        sc = pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32))
+        msk = plgpu.load(m_smem, layout=WG.reduce(1))  # [64]
+        ok = jax.lax.broadcast_in_dim(msk, (TILE, NPAD), [0]) > 0.5
+        sc = jnp.where(ok, sc, NEG)
+        m_new = jnp.maximum(m_prev, jnp.max(sc, axis=0))
+        corr = jax.lax.broadcast_in_dim(jnp.exp2(m_prev - m_new), (TILE, NPAD), [1])
+        p = jnp.where(ok, jnp.exp2(sc - jax.lax.broadcast_in_dim(m_new, (TILE, NPAD), [1])), 0.0)
+        l_acc = l_acc * corr + p
+        p_smem[...] = p.astype(p_smem.dtype)
+        plgpu.commit_smem()
+
+        def pv(accs):
+            for a, v_smem in zip(accs, v_smems, strict=True):
+                plgpu.wgmma(a, v_smem.transpose((1, 0)), p_smem)
+
+        outs = pl.run_state(pv)(tuple(plgpu.ACC.init(o * corr) for o in outs))
+        return (m_new, l_acc, *outs)
+
+    zeros = lambda: plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG)  # noqa: E731
+    init = (
+        plgpu.layout_cast(jnp.full((NPAD,), NEG, f32), WG.reduce(0)),
+        zeros(),
+        *(zeros() for _ in range(nb)),
+    )
+    v_specs = [plgpu.BlockSpec((TILE, TILE), lambda i, c=c: (i, c), transforms=a_tr)
+               for c in blocks]  # fmt: skip
+    pipe = plgpu.emit_pipeline(
+        body,
+        grid=(rt,),
+        in_specs=[
+            plgpu.BlockSpec((TILE, d), lambda i: (i, 0), transforms=a_tr),
+            *v_specs,
+            plgpu.BlockSpec((TILE,), lambda i: (i,)),
+        ],  # fmt: skip
+        max_concurrent_steps=min(2, rt),
+        init_carry=init,
+    )
+    return pipe(k_ref, *([v_ref] * nb), mask_ref)
