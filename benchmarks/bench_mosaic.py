@@ -9,10 +9,11 @@ tokens + a 160-slot ring with 128 valid. For small shapes every implementation r
 working set is >= ~100 MB and not L2-resident.
 
 usage: python3 -m benchmarks.bench_mosaic SHAPE[,SHAPE..] VARIANT[;VARIANT..]
-  SHAPE = BxL (e.g. 1x131072); VARIANT = comma list of k=v for Int2DecodeConfig
-  (e.g. "stage=stream;block_tokens=256,waves=4").
+  SHAPE = BxL (e.g. 1x131072); VARIANT = comma list of k=v for Int2DecodeConfig over the
+  backend's default_config for the record size (e.g. "stage=stream;block_tokens=256,waves=4").
 """
 
+import dataclasses
 import json
 import os
 import statistics
@@ -178,8 +179,9 @@ def run_shape(b, L, variants, copies):
     for vs in variants:
         kw = parse_variant(vs)
         bits = kw.pop("bits", 2)
-        bt = kw.get("block_tokens", 256)
-        cfg = K.Int2DecodeConfig(**kw)
+        # the backend's defaults for this record size (default_config), the variant's knobs over them
+        cfg = dataclasses.replace(K.default_config(1 << 20, bits, DH), **kw)
+        bt = cfg.block_tokens
         recs = [
             jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))(c) for c in cache_sets(bits)
         ]
