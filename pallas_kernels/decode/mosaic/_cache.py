@@ -14,6 +14,7 @@ from pallas_kernels.decode.mosaic._merge import (
     int2_decode_attention,
     int2_decode_attention_2launch,
     int2_decode_attention_fused,
+    weigh_splits,
 )
 
 MERGES = ("auto", "xla", "mosaic", "fused")  # how the ring and the splits are merged
@@ -144,7 +145,5 @@ def quantized_partial_mosaic(q_rot, cache, scale, *, offset=0, cfg: Int2DecodeCo
     acc = jnp.swapaxes(acc, -1, -2)[..., :g, :]  # [b, h, S, g, D]
     m2, l = m2[..., :g], l[..., :g]
     mt = jnp.max(m2, axis=2)
-    w = jnp.exp2(m2 - mt[:, :, None])
-    lsum = jnp.sum(l * w, axis=2)
-    m = jnp.where(lsum > 0, mt / LOG2E, -jnp.inf)
-    return jnp.sum(acc * w[..., None], axis=2), m, lsum
+    qacc, lsum = weigh_splits(acc, m2, l, mt)
+    return qacc, jnp.where(lsum > 0, mt / LOG2E, -jnp.inf), lsum

@@ -12,6 +12,20 @@ from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_part
 from pallas_kernels.decode.mosaic._ring import ring_dtype, ring_mask, ring_query, ring_walk
 
 
+def weigh_splits(acc, m2, l, m_ref):
+    """The splits' partials rescaled to a common max and summed over the split axis:
+    acc [B, H, S, g, D], m2 / l [B, H, S, g] (log2 units), m_ref [B, H, g] -> (sum_s acc_s
+    2^(m2_s - m_ref) [B, H, g, D], sum_s l_s 2^(m2_s - m_ref) [B, H, g])."""
+    w = jnp.exp2(m2 - m_ref[:, :, None])
+    return jnp.sum(acc * w[..., None], axis=2), jnp.sum(l * w, axis=2)
+
+
+def normalized(num, lsum, dtype):
+    """num [B, H, g, D] / lsum [B, H, g], 0 for a row with no token (lsum 0)."""
+    out = num / jnp.where(lsum > 0, lsum, 1.0)[..., None]
+    return jnp.where(lsum[..., None] > 0, out, 0.0).astype(dtype)
+
+
 def merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, *, g, softmax_scale=None,
                              unrotate=None, out_dtype=None):  # fmt: skip
     """Kernel partials (log2 units) + the full-precision ring -> output [B, H, g, D].
@@ -34,14 +48,10 @@ def merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, *, g, soft
     m_all = jnp.maximum(mr, jnp.max(m2, axis=2))
     pr = jnp.where(valid, jnp.exp2(s - m_all[..., None]), 0.0)
     ring_acc = jnp.einsum("bhgt,bhtd->bhgd", pr, v_res.astype(f32))
-    w = jnp.exp2(m2 - m_all[:, :, None])  # [B, H, S, g]
-    qacc = jnp.sum(acc * w[..., None], axis=2)
+    qacc, lq = weigh_splits(acc, m2, l, m_all)
     if unrotate is not None:
         qacc = unrotate(qacc)
-    lsum = jnp.sum(pr, -1) + jnp.sum(l * w, axis=2)
-    out = (qacc + ring_acc) / jnp.where(lsum > 0, lsum, 1.0)[..., None]
-    out = jnp.where(lsum[..., None] > 0, out, 0.0)
-    return out.astype(out_dtype or q.dtype)
+    return normalized(qacc + ring_acc, jnp.sum(pr, -1) + lq, out_dtype or q.dtype)
 
 
 def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
@@ -69,13 +79,12 @@ def merge_splits_with_ring_split(acc, ml, *, g, unrotate=None, out_dtype):
     d = acc.shape[3] * TILE
     acc = jnp.swapaxes(acc.reshape(b, h, sr, d, NPAD), -1, -2)[..., :g, :]  # [B, H, S+1, g, D]
     m2, l = ml[..., 0, :g], ml[..., 1, :g]
-    w = jnp.exp2(m2 - jnp.max(m2, axis=2, keepdims=True))  # [B, H, S+1, g]
-    qacc = jnp.sum(acc[:, :, :-1] * w[:, :, :-1, :, None], axis=2)
+    m_all = jnp.max(m2, axis=2)
+    qacc, lq = weigh_splits(acc[:, :, :-1], m2[:, :, :-1], l[:, :, :-1], m_all)
     if unrotate is not None:
         qacc = unrotate(qacc)
-    lsum = jnp.sum(l * w, axis=2)
-    out = (qacc + acc[:, :, -1] * w[:, :, -1, :, None]) / jnp.where(lsum > 0, lsum, 1.0)[..., None]
-    return jnp.where(lsum[..., None] > 0, out, 0.0).astype(out_dtype)
+    racc, lr = weigh_splits(acc[:, :, -1:], m2[:, :, -1:], l[:, :, -1:], m_all)
+    return normalized(qacc + racc, lq + lr, out_dtype)
 
 
 def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
