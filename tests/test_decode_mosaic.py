@@ -24,6 +24,7 @@ from oscar_jax import record
 from oscar_jax import sharding as osh
 from pallas_kernels.decode import mosaic as mk
 from pallas_kernels.decode.mosaic import _dequant as mk_dq
+from pallas_kernels.decode.mosaic import _warp as mk_warp
 
 D = 128
 PT = "per_token"
@@ -197,6 +198,66 @@ def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack, 
                     hh = np.arange(r.shape[0])[:, None, None]
                     want = cv[hh, tok, ch] * vs[hh, tok, grp] + vz[hh, tok, grp]
                     np.testing.assert_array_equal(got, want.astype(pdt), err_msg=f"V {tid} {reg}")
+
+
+@pytest.mark.parametrize("param_dtype,d", [
+    ("float16", 128), ("bfloat16", 128), ("float16", 64), ("bfloat16", 256),
+])  # fmt: skip
+def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d):
+    """The warp kernel's V^T A registers, emulated for every thread as the kernel reads them
+    (the owner's word 2 mt + w // 2, shifted right by 8 (w % 2) bits, plane 2 kh + rh in
+    place; the scale / zero pair at ``value_param_word``), equal the planar dequantization
+    of the channel and tokens that register holds in an mma.sync m16n8k16 A fragment."""
+    pdt = jnp.dtype(param_dtype)
+    c = _cache(6, 1, [640], param_dtype=param_dtype, d=d)
+    rec, _ = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
+                                c.v_scale, c.v_zero, param_dtype=pdt, block_tokens=64)  # fmt: skip
+    r = np.asarray(rec)[0]  # [H, n, W]
+    _, vc_, _, vp_ = record.offsets(2, d)
+    per = record.load_words(2, d)
+    cv = np.asarray(oj.unpack(c.v_codes, 2))[0].astype(np.float64)
+    f64 = lambda x: np.asarray(x[0], np.float32).astype(np.float64)  # noqa: E731
+    vs, vz = f64(c.v_scale), f64(c.v_zero)
+
+    def halves(word):
+        return np.stack([word & 0xFFFF, word >> 16], -1).astype(np.uint16).view(pdt)
+
+    n = np.arange(r.shape[1])[None, :, None]
+    hh = np.arange(r.shape[0])[:, None, None]
+    for w in range(4):
+        for lane in range(32):
+            j = lane % 4
+            for mt16 in range(d // 16):
+                for kh in range(2):
+                    ps = r[:, :, vp_ + mk_warp.value_param_word(d, w, lane, mt16 // 2, 0, kh)]
+                    pz = r[:, :, vp_ + mk_warp.value_param_word(d, w, lane, mt16 // 2, 1, kh)]
+                    for rh in range(2):
+                        owner, f, p = mk_warp.value_source(2, d, w, lane, mt16, rh, kh)
+                        assert (f, p) == (2 * (mt16 // 4) + w // 2, 4 * (w % 2) + 2 * kh + rh)
+                        word = r[:, :, vc_ + record.code_word(f, owner, per)] >> (8 * (w % 2))
+                        got = mk_dq.emulate_fragment(word, 2 * kh + rh, halves(ps), halves(pz),
+                                                     bits=2, param_dtype=pdt)  # fmt: skip
+                        tok = 64 * n + 16 * w + 2 * j + 8 * kh + np.arange(2)
+                        ch = 16 * mt16 + lane // 4 + 8 * rh
+                        want = cv[hh, tok, ch] * vs[hh, tok, ch // 32] + vz[hh, tok, ch // 32]
+                        np.testing.assert_array_equal(got, want.astype(pdt),
+                                                      err_msg=f"{w} {lane} {mt16} {rh} {kh}")
+
+
+def test_warp_kernel_query_fragments_are_b_operands():
+    """``query_fragments``: lane l's word 2 kk + half holds Q^T[16 kk + 2 j + 8 half + e,
+    head l // 4] (e the 16-bit half), the B fragment of mma.sync m16n8k16."""
+    d = 64
+    qt = jax.random.normal(jax.random.key(3), (2, 3, 8, d)).astype(jnp.float16)
+    got = np.asarray(mk_warp.query_fragments(qt))
+    q16 = np.asarray(jax.lax.bitcast_convert_type(qt, jnp.uint16)).astype(np.uint32)
+    for lane in range(32):
+        h, j = divmod(lane, 4)
+        for kk in range(d // 16):
+            for half in range(2):
+                c0 = 16 * kk + 2 * j + 8 * half
+                want = q16[:, :, h, c0] | (q16[:, :, h, c0 + 1] << 16)
+                np.testing.assert_array_equal(got[:, :, lane, 2 * kk + half], want)
 
 
 def test_unsupported_caches_are_named():
@@ -401,6 +462,27 @@ class TestMosaicGPU:
         ],
     )
     def test_matches_xla(self, lengths, g, param_dtype, knobs):
+        self._check(lengths, g, param_dtype, knobs)
+
+    @pytest.mark.parametrize(
+        "lengths,g,param_dtype,knobs",
+        [
+            ([4000, 0, 150], 4, "float16", dict()),
+            ([2080, 1111], 7, "bfloat16", dict(block_tokens=128)),
+            ([990, 481], 3, "float16", dict(block_tokens=64)),
+            ([1600, 700, 33], 1, "bfloat16", dict(max_concurrent_steps=2)),
+            ([2048, 333], 8, "float16", dict(block_tokens=128)),
+            ([4000, 0, 150], 3, "bfloat16", dict(d=64)),
+            ([2900, 77], 7, "float16", dict(d=64, block_tokens=128)),
+            ([4000, 0, 150], 4, "float16", dict(d=256, block_tokens=128)),
+            ([1100, 2047], 2, "bfloat16", dict(d=256, block_tokens=64)),
+        ],
+    )
+    def test_warp_kernel_matches_xla(self, lengths, g, param_dtype, knobs):
+        """The warp-level kernel (mma.sync, each warp its own tokens of every record)."""
+        self._check(lengths, g, param_dtype, dict(knobs, kernel="warp"))
+
+    def _check(self, lengths, g, param_dtype, knobs):
         knobs = dict(knobs)
         bits, d = knobs.pop("bits", 2), knobs.pop("d", D)
         c = _cache(sum(lengths), len(lengths), lengths, param_dtype=param_dtype,
@@ -487,6 +569,8 @@ class TestMosaicGPU:
             (24, "mosaic", dict(bits=4, block_tokens=128)),
             (48, "mosaic", dict(d=64)),
             (24, "xla", dict(d=256, block_tokens=128)),
+            (48, "xla", dict(kernel="warp", block_tokens=128)),
+            (48, "mosaic", dict(kernel="warp", block_tokens=128)),
         ],
     )
     def test_many_rows_match_xla(self, b, merge, knobs):

@@ -39,6 +39,9 @@ class Int2DecodeConfig:
       softmax max of a block).
     overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the
       dequant of subtile j+1 overlaps the wgmma of subtile j (False: wait after each).
+    kernel: "wgmma" (one warpgroup walks 64-token tiles with wgmma; ``_kernel``) or "warp"
+      (each warp walks its own 16 tokens of every record with mma.sync, no cross-warp step;
+      INT2, g <= 8, stage "full" only; ``_warp``).
     """
 
     block_tokens: int = 256
@@ -53,6 +56,7 @@ class Int2DecodeConfig:
     unpack: str = "lop3"
     merge_step: int = 8
     reduction_scratch: int = 2048
+    kernel: str = "wgmma"
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -67,6 +71,8 @@ class Int2DecodeConfig:
             raise ValueError(f"stage={self.stage!r}")
         if self.merge_step < 1:
             raise ValueError(f"merge_step={self.merge_step} must be >= 1")
+        if self.kernel not in ("wgmma", "warp"):
+            raise ValueError(f"kernel={self.kernel!r} must be 'wgmma' or 'warp'")
         if self.unpack not in ("shift", "lop", "lop3"):
             raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
 

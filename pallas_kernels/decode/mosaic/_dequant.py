@@ -48,7 +48,17 @@ def emulate_fragment(words, p: int, scale, zero, *, bits: int, param_dtype, unpa
 
 def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
     """inline_mgpu bodies: record smem ref -> K [64, d] / V^T channel blocks [64, 64]
-    fragments of an INT2 or INT4 record of head_dim ``d`` (``oscar_jax.record``'s layout)."""
+    fragments of an INT2 or INT4 record of head_dim ``d`` (``oscar_jax.record``'s layout):
+    (key_frag, value_frags, stream_touch, dequant_touch)."""
+    ns = dequant_ns(pdt, no_fma=no_fma, unpack=unpack, bits=bits, d=d)
+    return ns.key_frag, ns.value_frags, ns.stream_touch, ns.dequant_touch
+
+
+def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
+    """The unpack's MLIR helpers (loads, thread indices, ``unpack_pair``, ``key_frag``, ...)
+    as one namespace, shared by the wgmma kernel and the warp-level one (``_warp``)."""
+    import types
+
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, llvm, vector
     from jax.experimental import pallas as pl  # noqa: F401
@@ -238,4 +248,4 @@ def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
         out = np.array([vector.broadcast(ir.VectorType.get((1,), i32), x)], dtype=object)
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=False)
 
-    return key_frag, value_frags, stream_touch, dequant_touch
+    return types.SimpleNamespace(**{k: v for k, v in locals().items() if callable(v)})

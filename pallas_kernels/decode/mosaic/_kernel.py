@@ -12,6 +12,7 @@ from oscar_jax.record import TILE, record_format
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
 from pallas_kernels.decode.mosaic._ring import ring_walk
+from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
 
 def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
@@ -42,6 +43,11 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    if cfg.kernel == "warp":
+        if ring is not None or cfg.stage != "full":
+            raise ValueError("the warp kernel has no ring split (merge='fused') and no stages")
+        return warp_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
+                                    param_dtype=param_dtype)  # fmt: skip
     b, h, g, d = q_rot.shape
     _, _, nrec, words = rec.shape
     bits, d_rec = record_format(words)

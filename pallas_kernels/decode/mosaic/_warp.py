@@ -1,0 +1,369 @@
+"""The warp-level split-K partials kernel (``Int2DecodeConfig(kernel="warp")``).
+
+Same record layout, inputs and outputs as the wgmma kernel (``_kernel``), another division
+of the work: each of the 4 warps of a CTA walks its own 16 tokens of every 64-token record
+(tokens 16 w .. 16 w + 15) with warp-level ``mma.sync.m16n8k16`` (f32 accumulators), so
+the online softmax needs no cross-warp reduction a block and P never goes through shared
+memory (C fragment -> ``movmatrix`` transpose -> B fragment):
+
+  S^T [16 tok, 8 heads] = K [16 tok, D] Q^T [D, 8]        (D / 16 mma a record)
+  O^T [D, 8] += V^T [D, 16 tok] P^T [16 tok, 8]           (D / 16 mma a record)
+
+K's A fragments are the wgmma kernel's (a [64, D] wgmma A fragment is four stacked
+m16n8k16 A fragments, one a warp). V^T's are gathered across threads of the record: thread
+(w, l) needs channel 16 mt + l // 4 (+ 8), tokens 16 w + 2 (l % 4) (+ 1, + 8), which the
+record keeps in the words of thread (mt % 4, l) (``value_source``): one 16-byte load a
+(owner, 64-channel block), the word picked by w // 2 and shifted by 8 (w % 2) bits, then the
+usual in-place unpack. The carry is per thread (m, l of its two heads, O^T's D / 4 f32);
+the 4 warps' partials are merged once at the end through shared memory. GQA g <= 8 (N = 8),
+INT2 only; the query comes pre-permuted into B-fragment words (``query_fragments``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oscar_jax.record import TILE, code_word, load_words, offsets, pairs_per_word, record_format
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._dequant import dequant_ns
+
+NW = 8  # the mma's N: query heads a KV head (g <= 8)
+NEG = -1e30
+
+
+def value_source(bits: int, d: int, w: int, lane: int, mt16: int, rh: int, kh: int):
+    """Where thread (w, lane)'s V^T A register (16-channel tile mt16, row half rh, token half
+    kh) sits in a record: (owner thread, its code word f, plane p). The register holds the
+    codes of channel 16 mt16 + lane // 4 + 8 rh, tokens 16 w + 2 (lane % 4) + 8 kh + (0, 1)
+    (low, high half), i.e. register r = 2 cb + rh (cb = 2 w + kh) of the owner's 64-channel
+    block mt16 // 4 (``oscar_jax.record``)."""
+    mt, wo = divmod(mt16, 4)
+    f, p = divmod(16 * mt + 4 * w + 2 * kh + rh, pairs_per_word(bits))
+    return 32 * wo + lane, f, p
+
+
+def value_param_word(d: int, w: int, lane: int, grp: int, sz: int, kh: int) -> int:
+    """Word (from the V params) holding the scale (sz 0) or zero (sz 1) pair of thread (w,
+    lane)'s tokens 16 w + 2 (lane % 4) + 8 kh + (0, 1) in value group grp."""
+    return d // 2 * (2 * (w // 2) + sz) + 16 * grp + 4 * (lane % 4) + 2 * (w % 2) + kh
+
+
+def query_fragments(qt):
+    """qt [B, H, 8, D] 16-bit (heads padded to 8) -> [B, H, 32, D / 8] uint32: lane l's B
+    fragment words of k-step kk (Q^T[16 kk + 2 j + 8 half + (0, 1), l // 4], j = l % 4) at
+    2 kk + half."""
+    b, h, n, d = qt.shape
+    x = qt.reshape(b, h, n, d // 16, 2, 4, 2)  # [.., head, kk, half, j, e]
+    x = jnp.transpose(x, (0, 1, 2, 5, 3, 4, 6))  # [.., head, j, kk, half, e]
+    x = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
+    x = x[..., 0] | (x[..., 1] << 16)
+    return x.reshape(b, h, 32, d // 8)
+
+
+def _warp_fns(pdt, d: int, nsub: int):
+    """inline_mgpu bodies: ``step`` (one block of ``nsub`` records into the carry) and
+    ``finish`` (the 4 warps' carries merged into the CTA's partials in shared memory)."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax.experimental.mosaic import gpu as mgpu
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    ns = dequant_ns(pdt, unpack="lop3", bits=2, d=d)
+    c32, idx, words, load4 = ns.c32, ns.idx, ns.words, ns.load4
+    is_f16 = pdt == jnp.float16
+    ty = "f16" if is_f16 else "bf16"
+    _, vc, _, vp = offsets(2, d)
+    u = load_words(2, d)
+    nmt16 = d // 16
+
+    def i32():
+        return ir.IntegerType.get_signless(32)
+
+    def f32():
+        return ir.F32Type.get()
+
+    def cf(v):
+        return arith.constant(f32(), ir.FloatAttr.get(f32(), v))
+
+    def as_i32(v2):  # vector<2 x f16> -> i32
+        return vector.extract(vector.bitcast(ir.VectorType.get((1,), i32()), v2), [], [0])
+
+    def mma(a, b, c):
+        """c + A B by one mma.sync.m16n8k16 (A 4 regs, B 2, C 4 f32)."""
+        ptx = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
+               "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")  # fmt: skip
+        return list(mu.inline_ptx(ptx, *a, *b, *c, result_types=[f32()] * 4))
+
+    def ex2(x):
+        return mu.inline_ptx("ex2.approx.ftz.f32 $0, $1;", x, result_types=f32())
+
+    def shfl_xor(x, m):
+        return mu.inline_ptx(f"shfl.sync.bfly.b32 $0, $1, {m}, 0x1f, 0xffffffff;", x,
+                             result_types=f32(), convergent=True)  # fmt: skip
+
+    def pack(lo, hi):  # two f32 -> one 16-bit pair (lo in the low half)
+        return mu.inline_ptx(f"cvt.rn.{ty}x2.f32 $0, $1, $2;", hi, lo, result_types=i32())
+
+    def trans(x):  # 8x8 16-bit matrix across the warp, transposed
+        return mu.inline_ptx("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", x,
+                             result_types=i32(), convergent=True)  # fmt: skip
+
+    def lanes():
+        tid, w, j = ns.tids()
+        lane = arith.remui(tid, c32(32))
+        return tid, w, j, lane, arith.divui(lane, c32(4))
+
+    def scalars(arr):
+        return [vector.extract(r, [], [0]) for r in arr.registers.flat]
+
+    def strided(vals, n):
+        regs = np.array([vector.broadcast(ir.VectorType.get((1,), v.type), v) for v in vals],
+                        dtype=object)  # fmt: skip
+        return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGStridedFragLayout((n,), 1),
+                                    _is_signed=None)  # fmt: skip
+
+    def value_regs(rec_ref, row, w, j, lane):
+        """{(mt16, rh, kh): i32 pair} of V^T A registers of this thread (``value_source``)."""
+        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
+        sh = arith.muli(arith.remui(w, c32(2)), c32(8))
+        pbase = arith.addi(
+            arith.addi(arith.muli(arith.divui(w, c32(2)), c32(d)), arith.muli(j, c32(4))),
+            arith.muli(arith.remui(w, c32(2)), c32(2)),
+        )
+        par = {}
+        for grp in range(d // 32):
+            for sz in range(2):
+                at = arith.addi(pbase, c32(vp + d // 2 * sz + 16 * grp))
+                par[grp, sz] = words(load4(rec_ref, row, at, 2))  # [kh 0, kh 1]
+        loaded, out = {}, {}
+        for mt16 in range(nmt16):
+            mt, wo = divmod(mt16, 4)
+            f0 = 2 * mt  # the owner's word is f0 (warps 0, 1) or f0 + 1 (warps 2, 3)
+            grp_load = f0 // u
+            if (wo, grp_load) not in loaded:
+                owner = arith.addi(lane, c32(32 * wo))
+                at = arith.addi(c32(vc + code_word(u * grp_load, 0, u)), arith.muli(owner, c32(u)))
+                loaded[wo, grp_load] = words(load4(rec_ref, row, at, u))
+            ws = loaded[wo, grp_load]
+            x = arith.select(hi_word, ws[f0 % u + 1], ws[f0 % u])
+            x = arith.shrui(x, sh)
+            grp = mt16 // 2
+            for kh in range(2):
+                for rh in range(2):
+                    v = ns.unpack_pair(x, 2 * kh + rh, par[grp, 0][kh], par[grp, 1][kh])
+                    out[mt16, rh, kh] = as_i32(v)
+        return out
+
+    def step(ctx, rec_ref, n_ref, q_ref, lim_a, m_a, l_a, o_a):
+        del ctx
+        (lim,) = scalars(lim_a)
+        m, lsum, o = scalars(m_a), scalars(l_a), scalars(o_a)
+        o = [o[4 * k : 4 * k + 4] for k in range(nmt16)]
+        tid, w, j, lane, gid = lanes()
+        qw = []
+        for k in range(d // 32):
+            qw += words(vector.load(ir.VectorType.get((4,), i32()), q_ref, [idx(lane), idx(4 * k)]))
+        t0 = arith.addi(arith.muli(w, c32(16)), gid)  # this thread's first token of a record
+        neg = cf(NEG)
+        scores = []
+        for r in range(nsub):
+            kf = ns.key_frag(None, rec_ref, r).registers
+            acc = [cf(0.0)] * 4
+            for kk in range(d // 16):
+                a = [as_i32(kf[0, 2 * kk + c, 0, 0, rh, 0, 0, 0, 0]) for c in (0, 1)
+                     for rh in (0, 1)]  # fmt: skip
+                acc = mma(a, (qw[2 * kk], qw[2 * kk + 1]), acc)
+            s = []
+            for hf in range(2):
+                t = arith.addi(t0, c32(8 * hf))
+                nv = vector.extract(
+                    vector.load(ir.VectorType.get((1,), f32()), n_ref, [idx(r), idx(t)]), [], [0]
+                )
+                ok = arith.cmpi(arith.CmpIPredicate.slt, arith.addi(t, c32(TILE * r)), lim)
+                for c in range(2):
+                    s.append(arith.select(ok, arith.mulf(acc[2 * hf + c], nv), neg))
+            scores.append(s)  # [tok, head 2j], [tok, 2j+1], [tok+8, 2j], [tok+8, 2j+1]
+        m_new, corr = [], []
+        for c in range(2):
+            bm = scores[0][c]
+            for s in scores:
+                bm = arith.maximumf(bm, arith.maximumf(s[c], s[2 + c]))
+            for x in (4, 8, 16):
+                bm = arith.maximumf(bm, shfl_xor(bm, x))
+            mn = arith.maximumf(m[c], bm)
+            m_new.append(mn)
+            corr.append(ex2(arith.subf(m[c], mn)))
+            lsum[c] = arith.mulf(lsum[c], corr[c])
+        o = [[arith.mulf(x, corr[i % 2]) for i, x in enumerate(ot)] for ot in o]
+        for r, s in enumerate(scores):
+            p = [ex2(arith.subf(x, m_new[i % 2])) for i, x in enumerate(s)]
+            for c in range(2):
+                lsum[c] = arith.addf(lsum[c], arith.addf(p[c], p[2 + c]))
+            b = (trans(pack(p[0], p[1])), trans(pack(p[2], p[3])))
+            v = value_regs(rec_ref, r, w, j, lane)
+            for mt16 in range(nmt16):
+                a = [v[mt16, rh, kh] for kh in (0, 1) for rh in (0, 1)]
+                o[mt16] = mma(a, b, o[mt16])
+        flat = [x for ot in o for x in ot]
+        return strided(m_new, 256), strided(lsum, 256), strided(flat, 128 * len(flat))
+
+    def finish(ctx, o_ref, ml_ref, xm_ref, m_a, l_a, o_a):
+        """The 4 warps' (m, l, O^T) -> the CTA's partials: o_ref [D / 64, 64, 16] f32 (O^T,
+        heads >= 8 zero), ml_ref [2, 16] (max in log2 units, NEG for heads >= 8 or an
+        empty split; row sums); xm_ref [4, 8] f32 scratch."""
+        del ctx
+        m, lsum, o = scalars(m_a), scalars(l_a), scalars(o_a)
+        tid, w, j, lane, gid = lanes()
+        zero = vector.broadcast(ir.VectorType.get((4,), f32()), cf(0.0))
+        per = d * NPAD // 128  # floats of o_ref a thread zeroes
+        for k in range(per // 4):
+            e = arith.addi(arith.muli(tid, c32(per)), c32(4 * k))
+            mt = arith.divui(e, c32(TILE * NPAD))
+            row = arith.divui(arith.remui(e, c32(TILE * NPAD)), c32(NPAD))
+            col = arith.remui(e, c32(NPAD))
+            vector.store(zero, o_ref, [idx(mt), idx(row), idx(col)])
+        col = arith.remui(tid, c32(NPAD))
+        for c in range(2):  # every lane of a column writes the same value
+            vector.store(vector.broadcast(ir.VectorType.get((1,), f32()), m[c]), xm_ref,
+                         [idx(w), idx(arith.addi(arith.muli(j, c32(2)), c32(c)))])  # fmt: skip
+        # ml_ref: m NEG, l 0 (the warps add their scaled sums below)
+        vector.store(vector.broadcast(ir.VectorType.get((1,), f32()), cf(NEG)), ml_ref,
+                     [idx(c32(0)), idx(col)])  # fmt: skip
+        vector.store(vector.broadcast(ir.VectorType.get((1,), f32()), cf(0.0)), ml_ref,
+                     [idx(c32(1)), idx(col)])  # fmt: skip
+        mu.warpgroup_barrier()
+        fac = []
+        for c in range(2):
+            hcol = arith.addi(arith.muli(j, c32(2)), c32(c))
+            mx = None
+            for wo in range(4):
+                x = vector.extract(vector.load(ir.VectorType.get((1,), f32()), xm_ref,
+                                               [idx(wo), idx(hcol)]), [], [0])  # fmt: skip
+                mx = x if mx is None else arith.maximumf(mx, x)
+            fac.append(ex2(arith.subf(m[c], mx)))
+            ls = lsum[c]
+            for x in (4, 8, 16):
+                ls = arith.addf(ls, shfl_xor(ls, x))
+            add = arith.mulf(ls, fac[c])
+            # the lanes of row group 0 add their column's sum (the others add 0); every
+            # thread of the column holds the same max
+            lead = arith.cmpi(arith.CmpIPredicate.eq, gid, c32(0))
+            memref.atomic_rmw(arith.AtomicRMWKind.addf, arith.select(lead, add, cf(0.0)),
+                              ml_ref, [idx(c32(1)), idx(hcol)])  # fmt: skip
+            memref.atomic_rmw(arith.AtomicRMWKind.maximumf, mx, ml_ref, [idx(c32(0)), idx(hcol)])
+        for mt16 in range(nmt16):
+            mt, sub = divmod(mt16, 4)
+            for i in range(4):
+                row = arith.addi(gid, c32(16 * sub + 8 * (i // 2)))
+                hcol = arith.addi(arith.muli(j, c32(2)), c32(i % 2))
+                memref.atomic_rmw(arith.AtomicRMWKind.addf, arith.mulf(o[4 * mt16 + i],
+                                  fac[i % 2]), o_ref, [idx(mt), idx(row), idx(hcol)])  # fmt: skip
+        return None
+
+    return step, finish
+
+
+def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
+                         param_dtype=jnp.float16):  # fmt: skip
+    """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
+    (acc [B, H, S, D / 64, 64, 16] f32, ml [B, H, S, 2, 16] f32); INT2 records, g <= 8."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    b, h, g, d = q_rot.shape
+    _, _, nrec, words = rec.shape
+    bits, d_rec = record_format(words)
+    if bits != 2 or d != d_rec or g > NW:
+        raise ValueError(f"the warp kernel takes INT2 records and g <= {NW}: {bits=}, "
+                         f"{d=} (record {d_rec}), {g=}")  # fmt: skip
+    nmt = d // 64
+    lp = nrec * TILE
+    bt = cfg.block_tokens
+    nsub = bt // TILE
+    nblk_total = lp // bt
+    s = cfg.num_splits(b, h, lp)
+    bps = -(-nblk_total // s)
+    s = -(-nblk_total // bps)
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    pdt = jnp.dtype(param_dtype)
+    qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NW - g), (0, 0))).astype(pdt)
+    qf = query_fragments(qt)  # [B, H, 32, D / 8] uint32
+    step, finish = _warp_fns(pdt, d, nsub)
+    f32 = jnp.float32
+    ST = plgpu.Layout.WG_STRIDED
+    lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
+
+    def kernel(q_ref, rec_ref, kn_ref, nq_ref, acc_out, ml_out, q_smem, o_smem, ml_smem,
+               xm_smem, q_bar):  # fmt: skip
+        bi = jax.lax.axis_index("b")
+        hi = jax.lax.axis_index("h")
+        si = jax.lax.axis_index("s")
+        nqv = nq_ref[bi]
+        start_blk = si * bps
+        nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
+        plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+        plgpu.barrier_wait(q_bar)
+        step_call = plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(),) * 3 + (layi, lay2, lay2, layo),
+            return_type=(plgpu.ShapeDtypeStruct((256,), f32, layout=lay2),
+                         plgpu.ShapeDtypeStruct((256,), f32, layout=lay2),
+                         plgpu.ShapeDtypeStruct((128 * d // 4,), f32, layout=layo)),
+        )(step)  # fmt: skip
+
+        def body(idxs, r_smem, n_smem, carry):
+            (it,) = idxs
+            lim = nqv - (start_blk + it) * bt
+            lim_a = plgpu.layout_cast(jnp.full((128,), lim, jnp.int32), layi)
+            return step_call(r_smem, n_smem, q_smem, lim_a, *carry)
+
+        init = (
+            plgpu.layout_cast(jnp.full((256,), NEG, f32), lay2),
+            plgpu.layout_cast(jnp.zeros((256,), f32), lay2),
+            plgpu.layout_cast(jnp.zeros((128 * d // 4,), f32), layo),
+        )
+        pipe = plgpu.emit_pipeline(
+            body,
+            grid=(nblk,),
+            in_specs=[
+                plgpu.BlockSpec((nsub, words // 64, 64), lambda i: (start_blk + i, 0, 0)),
+                plgpu.BlockSpec((nsub, TILE), lambda i: (start_blk + i, 0)),
+            ],
+            max_concurrent_steps=cfg.max_concurrent_steps,
+            init_carry=init,
+        )
+        carry = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])
+        plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (lay2, lay2, layo))(finish)(
+            o_smem, ml_smem, xm_smem, *carry
+        )
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
+        plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
+        plgpu.wait_smem_to_gmem(0)
+
+    fn = plgpu.kernel(
+        kernel,
+        kernel_name="oscar_decode_int2_warp_partials",
+        out_type=(
+            jax.ShapeDtypeStruct((b, h, s, nmt, TILE, NPAD), f32),
+            jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
+        ),
+        scratch_types=[
+            plgpu.SMEM((32, d // 8), jnp.uint32),
+            plgpu.SMEM((nmt, TILE, NPAD), f32),
+            plgpu.SMEM((2, NPAD), f32),
+            plgpu.SMEM((4, NW), f32),
+            plgpu.Barrier(num_arrivals=1),
+        ],
+        grid=(b, h, s),
+        grid_names=("b", "h", "s"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+    )
+    rec3 = rec.reshape(b, h, nrec, words // 64, 64)
+    return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32))
+
+
+__all__ = ["query_fragments", "value_param_word", "value_source", "warp_decode_partials"]
