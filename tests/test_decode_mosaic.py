@@ -240,8 +240,9 @@ def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d):
                         tok = 64 * n + 16 * w + 2 * j + 8 * kh + np.arange(2)
                         ch = 16 * mt16 + lane // 4 + 8 * rh
                         want = cv[hh, tok, ch] * vs[hh, tok, ch // 32] + vz[hh, tok, ch // 32]
-                        np.testing.assert_array_equal(got, want.astype(pdt),
-                                                      err_msg=f"{w} {lane} {mt16} {rh} {kh}")
+                        np.testing.assert_array_equal(
+                            got, want.astype(pdt), err_msg=f"{w} {lane} {mt16} {rh} {kh}"
+                        )
 
 
 def test_warp_kernel_query_fragments_are_b_operands():
@@ -375,6 +376,22 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
 
 
 @pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("block,g,d,pdt", [
+    (256, 4, 128, "float16"), (128, 7, 64, "bfloat16"), (64, 8, 256, "float16"),
+    (128, 1, 128, "bfloat16"),
+])  # fmt: skip
+def test_warp_kernel_lowers_for_sm90(block, g, d, pdt):
+    cfg = mk.Int2DecodeConfig(block_tokens=block, kernel="warp")
+    s = jax.ShapeDtypeStruct
+    b, h, lq = 2, 2, 1024
+    q = s((b, h, g, d), jnp.float32)
+    rec = s((b, h, lq // 64, record.record_words(2, d)), jnp.uint32)
+    kn, nq = s((b, h, lq), jnp.float32), s((b,), jnp.int32)
+    f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg, param_dtype=pdt))
+    f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("merge,rotate_values,bits,d", [
     ("xla", True, 2, 128), ("mosaic", False, 2, 128), ("xla", True, 4, 128),
     ("mosaic", False, 4, 128), ("xla", True, 2, 64), ("mosaic", False, 4, 256),
@@ -397,6 +414,14 @@ def test_default_config_fits_the_stages_in_shared_memory():
     for (b, d), c in got.items():  # two programs an SM: their stages within STAGE_BYTES
         rec = record.record_words(b, d) * 4 + 256
         assert c.max_concurrent_steps * rec * c.block_tokens // 64 <= mk.STAGE_BYTES
+        assert c.kernel == "wgmma"  # short rows
+    # long rows: the warp kernel where it covers the cache (INT2, head_dim <= 128, g <= 8)
+    n = mk.WARP_MIN_CAPACITY
+    kernels = {(b, d, g): mk.default_config(n, b, d, g).kernel
+               for b in (2, 4) for d in (64, 128, 256) for g in (None, 8, 9)}  # fmt: skip
+    assert {k for k, v in kernels.items() if v == "warp"} == {
+        (2, d, g) for d in (64, 128) for g in (None, 8)
+    }
 
 
 @pytest.mark.usefixtures("lowering_stack")
@@ -490,6 +515,22 @@ class TestMosaicGPU:
         q = query(len(lengths), len(lengths), 2 * g, d, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs)
         got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, convert=True))(q, c)
+        want = oj.decode_attention(q, c, implementation="xla")
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+        assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+    @pytest.mark.parametrize("g,param_dtype,d,merge", [
+        (4, "float16", 128, "auto"), (7, "bfloat16", 64, "mosaic"), (3, "float16", 128, "fused"),
+    ])  # fmt: skip
+    def test_default_config_on_long_rows_matches_xla(self, g, param_dtype, d, merge):
+        """A record cache of >= WARP_MIN_CAPACITY quantized tokens: the backend's default
+        (the warp kernel; the wgmma kernel for the fused ring split) against XLA."""
+        lengths = [16600, 2900, 0]
+        c = _cache(9, 3, lengths, param_dtype=param_dtype, max_len=mk.WARP_MIN_CAPACITY + 512,
+                   d=d, layout="record", rotate_values=merge != "mosaic")  # fmt: skip
+        assert mk.default_config(c.quant_capacity, 2, d, g).kernel == "warp"
+        q = query(4, 3, 2 * g, d, _qdtype(param_dtype))
+        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))(q, c)
         want = oj.decode_attention(q, c, implementation="xla")
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err

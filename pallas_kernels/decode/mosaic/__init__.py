@@ -74,6 +74,7 @@ from oscar_jax.record import (
 )
 from pallas_kernels.decode.mosaic._cache import (
     STAGE_BYTES,
+    WARP_MIN_CAPACITY,
     decode_attention_mosaic,
     default_config,
     kernel_inputs,
@@ -93,7 +94,8 @@ from pallas_kernels.decode.mosaic._merge import (
 )
 
 __all__ = [
-    "D", "G", "LOG2E", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WORDS", "Int2DecodeConfig",
+    "D", "G", "LOG2E", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WARP_MIN_CAPACITY", "WORDS",
+    "Int2DecodeConfig",
     "decode_attention_mosaic", "default_config", "fragment_layout", "fragment_layout_inverse",
     "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_attention_fused",
     "int2_decode_partials", "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from oscar_jax import attention as att
@@ -43,17 +45,30 @@ def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
 STAGE_BYTES = 86_000  # shared memory for the TMA stages of one program (two an SM)
 
 
-def default_config(capacity: int, bits: int = 2, head_dim: int = 128) -> Int2DecodeConfig:
+WARP_MIN_CAPACITY = 16384  # quantized tokens from which INT2 takes the warp-level kernel
+
+
+def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
+                   g: int | None = None) -> Int2DecodeConfig:  # fmt: skip
     """The default tuning: the largest block of 256, 128 or 64 tokens that divides the
     quantized capacity (a record cache holds whole 64-token records) and leaves room for at
     least 2 TMA stages in ``STAGE_BYTES``, then up to 3 stages. At head_dim 128: INT2 256
     tokens x 3 stages (80 KB), INT4 (1.6x the bytes) 256 x 2, so that two programs an SM
-    fit its 228 KB of shared memory; head_dim 256 takes 128-token blocks."""
+    fit its 228 KB of shared memory; head_dim 256 takes 128-token blocks.
+
+    The kernel: the warp-level one (``kernel="warp"``) for INT2 at head_dim <= 128 with g <=
+    8 query heads a KV head (None: not known, taken as <= 8) from ``WARP_MIN_CAPACITY``
+    quantized tokens, where it was measured 4-9% faster than the wgmma kernel on the H200
+    (1 x 128K, 8 x 32K; BENCHMARKS.md); the wgmma kernel elsewhere (at 48 x 4K it was 9%
+    faster; at head_dim 256 level or better)."""
     rec = record_words(bits, head_dim) * 4 + TILE * 4  # a record and its norms, bytes
     fits = [b for b in (256, 128, 64) if capacity % b == 0]
     block = next((b for b in fits if 2 * rec * b // TILE <= STAGE_BYTES), fits[-1])
     stages = max(1, min(3, STAGE_BYTES // (rec * block // TILE)))
-    return Int2DecodeConfig(block_tokens=block, max_concurrent_steps=stages)
+    warp = (bits == 2 and head_dim <= 128 and (g is None or g <= 8)
+            and capacity >= WARP_MIN_CAPACITY)  # fmt: skip
+    return Int2DecodeConfig(block_tokens=block, max_concurrent_steps=stages,
+                            kernel="warp" if warp else "wgmma")  # fmt: skip
 
 
 def kernel_inputs(cache, *, block_tokens: int = 256):
@@ -109,7 +124,10 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     if merge == "auto":
         merge = "xla"
     pdt = jnp.dtype(kcfg.scale_dtype)
-    cfg = cfg or default_config(cache.quant_capacity, kcfg.bits, cache.head_dim)
+    if cfg is None:
+        cfg = default_config(cache.quant_capacity, kcfg.bits, cache.head_dim, g)
+        if merge == "fused":  # the ring split is the wgmma kernel's
+            cfg = dataclasses.replace(cfg, kernel="wgmma")
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
     # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
@@ -137,7 +155,7 @@ def quantized_partial_mosaic(q_rot, cache, scale, *, offset=0, cfg: Int2DecodeCo
     if reason is not None:
         raise ValueError(f"quantized_partial_mosaic: {reason}")
     lq = cache.quant_capacity
-    cfg = cfg or default_config(lq, cache.cfg.bits, cache.head_dim)
+    cfg = cfg or default_config(lq, cache.cfg.bits, cache.head_dim, g)
     rec, kn, _, _ = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     nq = jnp.clip(cache.num_quantized().astype(jnp.int32) - offset, 0, lq)
     acc, m2, l = int2_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=scale,

@@ -63,8 +63,9 @@ def query_fragments(qt):
 
 
 def _warp_fns(pdt, d: int, nsub: int):
-    """inline_mgpu bodies: ``step`` (one block of ``nsub`` records into the carry) and
-    ``finish`` (the 4 warps' carries merged into the CTA's partials in shared memory)."""
+    """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
+    block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
+    into the CTA's partials in shared memory)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, memref, vector
     from jax.experimental.mosaic import gpu as mgpu
@@ -122,8 +123,9 @@ def _warp_fns(pdt, d: int, nsub: int):
     def strided(vals, n):
         regs = np.array([vector.broadcast(ir.VectorType.get((1,), v.type), v) for v in vals],
                         dtype=object)  # fmt: skip
+        signed = True if isinstance(vals[0].type, ir.IntegerType) else None
         return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGStridedFragLayout((n,), 1),
-                                    _is_signed=None)  # fmt: skip
+                                    _is_signed=signed)  # fmt: skip
 
     def value_regs(rec_ref, row, w, j, lane):
         """{(mt16, rh, kh): i32 pair} of V^T A registers of this thread (``value_source``)."""
@@ -157,25 +159,32 @@ def _warp_fns(pdt, d: int, nsub: int):
                     out[mt16, rh, kh] = as_i32(v)
         return out
 
-    def step(ctx, rec_ref, n_ref, q_ref, lim_a, m_a, l_a, o_a):
+    def load_q(ctx, q_ref):
+        """This lane's B fragment words of the query (loop-invariant registers)."""
         del ctx
-        (lim,) = scalars(lim_a)
-        m, lsum, o = scalars(m_a), scalars(l_a), scalars(o_a)
-        o = [o[4 * k : 4 * k + 4] for k in range(nmt16)]
-        tid, w, j, lane, gid = lanes()
+        lane = lanes()[3]
         qw = []
         for k in range(d // 32):
             qw += words(vector.load(ir.VectorType.get((4,), i32()), q_ref, [idx(lane), idx(4 * k)]))
+        return strided(qw, 128 * len(qw))
+
+    def step(ctx, rec_ref, n_ref, q_a, lim_a, m_a, l_a, o_a):
+        del ctx
+        (lim,) = scalars(lim_a)
+        m, lsum, o, qw = scalars(m_a), scalars(l_a), scalars(o_a), scalars(q_a)
+        o = [o[4 * k : 4 * k + 4] for k in range(nmt16)]
+        tid, w, j, lane, gid = lanes()
         t0 = arith.addi(arith.muli(w, c32(16)), gid)  # this thread's first token of a record
         neg = cf(NEG)
         scores = []
         for r in range(nsub):
             kf = ns.key_frag(None, rec_ref, r).registers
-            acc = [cf(0.0)] * 4
+            chains = [[cf(0.0)] * 4 for _ in range(2)]  # two chains: half the mma latency
             for kk in range(d // 16):
                 a = [as_i32(kf[0, 2 * kk + c, 0, 0, rh, 0, 0, 0, 0]) for c in (0, 1)
                      for rh in (0, 1)]  # fmt: skip
-                acc = mma(a, (qw[2 * kk], qw[2 * kk + 1]), acc)
+                chains[kk % 2] = mma(a, (qw[2 * kk], qw[2 * kk + 1]), chains[kk % 2])
+            acc = [arith.addf(x, y) for x, y in zip(*chains, strict=True)]
             s = []
             for hf in range(2):
                 t = arith.addi(t0, c32(8 * hf))
@@ -263,14 +272,13 @@ def _warp_fns(pdt, d: int, nsub: int):
                                   fac[i % 2]), o_ref, [idx(mt), idx(row), idx(hcol)])  # fmt: skip
         return None
 
-    return step, finish
+    return load_q, step, finish
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
                          param_dtype=jnp.float16):  # fmt: skip
     """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
     (acc [B, H, S, D / 64, 64, 16] f32, ml [B, H, S, 2, 16] f32); INT2 records, g <= 8."""
-    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, h, g, d = q_rot.shape
@@ -292,10 +300,11 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NW - g), (0, 0))).astype(pdt)
     qf = query_fragments(qt)  # [B, H, 32, D / 8] uint32
-    step, finish = _warp_fns(pdt, d, nsub)
+    load_q, step, finish = _warp_fns(pdt, d, nsub)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
+    layq = ST((128 * d // 8,), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, acc_out, ml_out, q_smem, o_smem, ml_smem,
                xm_smem, q_bar):  # fmt: skip
@@ -307,8 +316,12 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
         plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
         plgpu.barrier_wait(q_bar)
+        qa = plgpu.inline_mgpu(
+            arg_types=(plgpu.RefType(),),
+            return_type=plgpu.ShapeDtypeStruct((128 * d // 8,), jnp.int32, layout=layq),
+        )(load_q)(q_smem)
         step_call = plgpu.inline_mgpu(
-            arg_types=(plgpu.RefType(),) * 3 + (layi, lay2, lay2, layo),
+            arg_types=(plgpu.RefType(),) * 2 + (layq, layi, lay2, lay2, layo),
             return_type=(plgpu.ShapeDtypeStruct((256,), f32, layout=lay2),
                          plgpu.ShapeDtypeStruct((256,), f32, layout=lay2),
                          plgpu.ShapeDtypeStruct((128 * d // 4,), f32, layout=layo)),
@@ -318,7 +331,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             (it,) = idxs
             lim = nqv - (start_blk + it) * bt
             lim_a = plgpu.layout_cast(jnp.full((128,), lim, jnp.int32), layi)
-            return step_call(r_smem, n_smem, q_smem, lim_a, *carry)
+            return step_call(r_smem, n_smem, qa, lim_a, *carry)
 
         init = (
             plgpu.layout_cast(jnp.full((256,), NEG, f32), lay2),
