@@ -404,6 +404,18 @@ def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits, d
     fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("merge,kernel", [("auto", "warp"), ("fused", "wgmma")])
+def test_backend_on_long_rows_lowers_the_default_kernel(merge, kernel):
+    """A record cache of >= WARP_MIN_CAPACITY quantized tokens: the backend's default call
+    lowers with the warp kernel (the wgmma kernel for the fused ring split)."""
+    c = _cache(9, 2, [16600, 2900], max_len=mk.WARP_MIN_CAPACITY + 512, layout="record")
+    fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))
+    text = fn.trace(query(4, 2, 8, D), c).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("oscar_decode_int2_warp_partials" in text) == (kernel == "warp")
+    assert "oscar_decode_int2_partials" in text or kernel == "warp"
+
+
 def test_default_config_fits_the_stages_in_shared_memory():
     assert [mk.default_config(n).block_tokens for n in (64, 128, 320, 512)] == [64, 128, 64, 256]
     got = {(b, d): mk.default_config(4096, b, d) for b in (2, 4) for d in (64, 128, 256)}
