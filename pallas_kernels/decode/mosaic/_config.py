@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+import numpy as np
+
 from oscar_jax.record import TILE
 
 NPAD = 16  # GQA query heads padded to the wgmma N (16-bit B operands need N >= 16)
 LOG2E = 1.4426950408889634
+
+
+def scaled_query(q_rot, softmax_scale, heads: int):
+    """q_rot [B, H, g, D] -> float32 times the softmax scale and log2(e) (the kernels' base-2
+    softmax), the query heads zero-padded to ``heads``."""
+    d, g = q_rot.shape[-1], q_rot.shape[-2]
+    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
+    return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +87,14 @@ class Int2DecodeConfig:
             raise ValueError(f"kernel={self.kernel!r} must be 'wgmma' or 'warp'")
         if self.unpack not in ("shift", "lop", "lop3"):
             raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
+
+    def split_plan(self, b: int, h: int, capacity: int) -> tuple[int, int]:
+        """(blocks a split, splits) over ``capacity`` quantized tokens (a multiple of
+        block_tokens): ``num_splits`` rounded so that every split has the same number of
+        blocks (the last fewer)."""
+        nblk = capacity // self.block_tokens
+        bps = -(-nblk // self.num_splits(b, h, capacity))
+        return bps, -(-nblk // bps)
 
     def num_splits(self, b: int, h: int, capacity: int, num_sms: int = 132) -> int:
         """Split-K programs per (b, h) row.

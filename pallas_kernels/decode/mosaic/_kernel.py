@@ -6,12 +6,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from oscar_jax.record import TILE, record_format
-from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
-from pallas_kernels.decode.mosaic._ring import ring_walk
+from pallas_kernels.decode.mosaic._ring import ring_query, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
 
@@ -58,15 +57,9 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     bt = cfg.block_tokens
     assert lp % bt == 0, (lp, bt)
     nsub = bt // TILE
-    nblk_total = lp // bt
-    s = cfg.num_splits(b, h, lp)
-    bps = -(-nblk_total // s)
-    s = -(-nblk_total // bps)
-    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
-    qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
-    qt = jnp.swapaxes(qt, -1, -2).astype(pdt)  # [B, H, D, 16]
+    qt = ring_query(q_rot, softmax_scale, pdt)  # [B, H, D, 16], as the ring's wgmma B operand
     key_frag, value_frags, stream_touch, dequant_touch = _dequant_fns(
         pdt, no_fma=cfg.stage == "nofma", unpack=cfg.unpack, bits=bits, d=d
     )

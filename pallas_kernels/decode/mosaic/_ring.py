@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from oscar_jax.record import TILE
-from pallas_kernels.decode.mosaic._config import LOG2E, NPAD
+from pallas_kernels.decode.mosaic._config import NPAD, scaled_query
 
 NEG = -1e30
 
@@ -20,10 +19,7 @@ NEG = -1e30
 def ring_query(q, softmax_scale, dtype):
     """q [B, H, g, D] (original basis) -> [B, H, D, NPAD] in ``dtype``: scaled by
     softmax_scale * log2(e), heads past g zero, transposed (the wgmma B operand)."""
-    d, g = q.shape[-1], q.shape[2]
-    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
-    qr = jnp.pad(q.astype(jnp.float32) * (scale * LOG2E), ((0, 0), (0, 0), (0, NPAD - g), (0, 0)))
-    return jnp.swapaxes(qr, -1, -2).astype(dtype)
+    return jnp.swapaxes(scaled_query(q, softmax_scale, NPAD), -1, -2).astype(dtype)
 
 
 def ring_mask(ring_valid):

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oscar_jax.record import TILE, code_word, load_words, offsets, pairs_per_word, record_format
-from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, scaled_query
 from pallas_kernels.decode.mosaic._dequant import dequant_ns
 
 NW = 8  # the mma's N: query heads a KV head (g <= 8)
@@ -291,15 +291,9 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     lp = nrec * TILE
     bt = cfg.block_tokens
     nsub = bt // TILE
-    nblk_total = lp // bt
-    s = cfg.num_splits(b, h, lp)
-    bps = -(-nblk_total // s)
-    s = -(-nblk_total // bps)
-    scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
+    bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
-    qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, NW - g), (0, 0))).astype(pdt)
-    qf = query_fragments(qt)  # [B, H, 32, D / 8] uint32
+    qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
     load_q, step, finish = _warp_fns(pdt, d, nsub)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
