@@ -120,7 +120,8 @@ def _warp_fns(pdt, d: int, nsub: int):
     def scalars(arr):
         return [vector.extract(r, [], [0]) for r in arr.registers.flat]
 
-    def strided(vals, n):
+    def strided(vals):  # one value a register of each thread
+        n = 128 * len(vals)
         regs = np.array([vector.broadcast(ir.VectorType.get((1,), v.type), v) for v in vals],
                         dtype=object)  # fmt: skip
         signed = True if isinstance(vals[0].type, ir.IntegerType) else None
@@ -166,7 +167,7 @@ def _warp_fns(pdt, d: int, nsub: int):
         qw = []
         for k in range(d // 32):
             qw += words(vector.load(ir.VectorType.get((4,), i32()), q_ref, [idx(lane), idx(4 * k)]))
-        return strided(qw, 128 * len(qw))
+        return strided(qw)
 
     def step(ctx, rec_ref, n_ref, q_a, lim_a, m_a, l_a, o_a):
         del ctx
@@ -217,7 +218,7 @@ def _warp_fns(pdt, d: int, nsub: int):
                 a = [v[mt16, rh, kh] for kh in (0, 1) for rh in (0, 1)]
                 o[mt16] = mma(a, b, o[mt16])
         flat = [x for ot in o for x in ot]
-        return strided(m_new, 256), strided(lsum, 256), strided(flat, 128 * len(flat))
+        return strided(m_new), strided(lsum), strided(flat)
 
     def finish(ctx, o_ref, ml_ref, xm_ref, m_a, l_a, o_a):
         """The 4 warps' (m, l, O^T) -> the CTA's partials: o_ref [D / 64, 64, 16] f32 (O^T,
