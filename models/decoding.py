@@ -205,8 +205,9 @@ class KeyBiasWarning(UserWarning):
 
 KEY_BIAS_WARNING = (
     "kv method {method!r} rotates the keys of a model with k-projection biases (Qwen2 style): "
-    "on Qwen2.5-0.5B that made INT2 perplexity +177% over bf16 where 'ots_only' (no rotation) "
-    "gave +2.5% and 'kivi' +5.0% (ACCURACY.md); check this model with python3 -m "
+    "on Qwen2.5-0.5B that made INT2 perplexity +219% to +468% over bf16 at 8K-32K windows "
+    "where 'ots_only' (no rotation) and 'kivi' gave +3.4% to +8.2% (ACCURACY.md); check this "
+    "model with python3 -m "
     "benchmarks.real_model_keys, or use oj.preset('ots_only', bits=2)"
 )
 
