@@ -225,24 +225,41 @@ def answer_scores(
     return out[: len(prompts)]
 
 
+def decodes(kv) -> bool:
+    """Whether ``kv`` has a real cache that ``models.generate`` decodes through; the
+    comparison methods of ``oscar_jax.methods`` are fake-quant only, so their needle is
+    scored teacher-forced (``answer_scores``)."""
+    return isinstance(kv, oj.KVQuantConfig)
+
+
 def niah_method(
     m: CausalLM, mt: Method, prompts: list[dict], decode: Callable, *, batch: int | None = None,
     max_new_tokens: int = 8, stop_tokens=None, cache_dtype=None, group: str = "length",
     progress: Progress | None = None, ll_batch: int | None = None,
 ) -> list[dict]:  # fmt: skip
-    """The prompts of one method, each with ``hit`` (exact match), in the prompts' order,
-    and ``answer_ll`` (``answer_logprob``, batches of ``ll_batch``) when they carry
-    ``answer_ids``."""
+    """The prompts of one method in the prompts' order, each with ``hit`` (exact match) and,
+    when they carry ``answer_ids``, ``answer_ll`` and ``forced`` (``answer_scores``, batches of
+    ``ll_batch``). ``hit`` is the decoded text's match for a method with a real cache and
+    ``forced`` (greedy would emit exactly the answer's tokens) for a fake-quant one."""
     if not prompts:
         raise ValueError("prompts must not be empty")
+    forced_only = not decodes(mt.kv)
+    if forced_only and not all(p.get("answer_ids") for p in prompts):
+        raise ValueError(f"method {mt.name!r} has no real cache (fake-quant only): its needle "
+                         "is scored teacher-forced, so every prompt needs answer_ids")  # fmt: skip
     res = {}
     for g in groups(prompts, group):
-        hits = _run_group(m, g, mt.kv, batch, max_new_tokens, decode, stop_tokens, cache_dtype)
-        lls = [None] * len(g)
+        scores = [None] * len(g)
         if all("answer_ids" in p for p in g):
-            lls = answer_logprob(m, g, mt.kv, batch=ll_batch, cache_dtype=cache_dtype)
-        for p, h, ll in zip(g, hits, lls, strict=True):
-            res[id(p)] = dict(p, hit=h) if ll is None else dict(p, hit=h, answer_ll=ll)
+            scores = answer_scores(m, g, mt.kv, batch=ll_batch, cache_dtype=cache_dtype)
+        if forced_only:
+            hits = [f for _, f in scores]
+        else:
+            hits = _run_group(m, g, mt.kv, batch, max_new_tokens, decode, stop_tokens,
+                              cache_dtype)  # fmt: skip
+        for p, h, sc in zip(g, hits, scores, strict=True):
+            extra = {} if sc is None else {"answer_ll": sc[0], "forced": sc[1]}
+            res[id(p)] = dict(p, hit=h, **extra)
         if progress is not None:
             progress.update(len(g))
     return [res[id(p)] for p in prompts]
@@ -254,7 +271,10 @@ def summarize(mt: Method, res: list[dict]) -> tuple[dict, list[dict]]:
     k = sum(r["hit"] for r in res)
     rate, lo, hi = wilson(k, len(res))
     row = {"method": mt.name, "bits": mt.kv.bits, "rate": rate, "rate_lo": lo,
-           "rate_hi": hi, "prompts": len(res)}  # fmt: skip
+           "rate_hi": hi, "prompts": len(res),
+           "hit_from": "decoded" if decodes(mt.kv) else "teacher-forced"}  # fmt: skip
+    if all("forced" in r for r in res):
+        row["forced_rate"] = sum(r["forced"] for r in res) / len(res)
     has_ll = all("answer_ll" in r for r in res)
     if has_ll:
         row["answer_ll"] = float(np.mean([r["answer_ll"] for r in res]))

@@ -92,16 +92,29 @@ def markdown(res: dict) -> str:
     if "niah" in res:
         nz = res["niah"]
         lens = sorted(int(x) for x in nz["prompt_tokens"])
+        forced = lambda r: r.get("hit_from") == "teacher-forced"  # noqa: E731
         rows = [dict(r, ci=ci(r["rate_lo"], r["rate_hi"], spec=".3f"),
-                     llci=ci(r.get("ll_delta_lo"), r.get("ll_delta_hi"), spec=".3f"))
+                     llci=ci(r.get("ll_delta_lo"), r.get("ll_delta_hi"), spec=".3f"),
+                     method=r["method"] + (" (*)" if forced(r) else ""))
                 for r in nz["summary"]]  # fmt: skip
         form = "chat template" if nz.get("grid", {}).get("chat") else "plain text after BOS"
+        fcol = ["forced_rate"] if all("forced_rate" in r for r in rows) else []
         out += [f"## Needle in a haystack (passkey exact match, greedy through the cache; "
                 f"prompts: {form})", "",
-                md_table(rows, ["method", "rate", "ci", *[f"rate@{n}" for n in lens], "prompts"],
+                md_table(rows, ["method", "rate", "ci", *[f"rate@{n}" for n in lens], *fcol,
+                                "prompts"],
                          ["method", "rate", "95% CI (Wilson)", *[f"@{n}" for n in lens],
-                          "prompts"], {"rate": ".3f", **{f"rate@{n}": ".3f" for n in lens}}),
+                          *["greedy = answer (teacher-forced)"][: len(fcol)], "prompts"],
+                         {"rate": ".3f", "forced_rate": ".3f",
+                          **{f"rate@{n}": ".3f" for n in lens}}),
                 ""]  # fmt: skip
+        if any(forced(r) for r in nz["summary"]):
+            out += [
+                "(*) fake-quant method (no real cache): its rate is the teacher-forced one, "
+                "every answer token the greedy choice (stricter than a decoded match); "
+                "compare it with the other methods' teacher-forced column.",
+                "",
+            ]
         if all("answer_ll" in r for r in rows):
             out += ["Log-likelihood of the answer tokens (\" 12345\", nats summed over them; the "
                     "prompt prefilled at full precision, the answer teacher-forced through the "

@@ -162,6 +162,10 @@ def run_eval(
         methods, note = calibrate_heldout(m, methods, heldout, s.ctx, len(windows))
         if note:
             res["notes"].append(note)
+    elif "niah" in tasks and heldout is not None:  # the needle alone: fit on the first windows
+        methods, note = calibrate_heldout(m, methods, heldout, s.ctx, 0)
+        if note:
+            res["notes"].append(note)
     batch, group = _resolve(s, 0 if windows is None else len(windows))
     log = lambda msg: ep.say(f"[{budget.elapsed():5.0f} s] {msg}", s.show_progress)  # noqa: E731
     ctx = et.Ctx(m, s, out_dir, res, memo, run, budget, stats, log, windows, tni_windows, batch,

@@ -127,7 +127,7 @@ def precompile(c: Ctx, tasks) -> None:
     if "niah" in tasks:
         c.prompts = _niah_prompts(m, s, c.model_dir)
         gs = eval_niah.groups(c.prompts, c.niah_group)
-        for mt in c.methods:
+        for mt in filter(lambda mt: eval_niah.decodes(mt.kv), c.methods):
             for i, g in enumerate(gs):
                 thunk = eval_niah.generate_program(m, g, mt.kv, s.niah_batch, s.niah_new_tokens,
                                                    cache_dtype=s.cache_dtype)  # fmt: skip
@@ -250,7 +250,8 @@ def task_niah(c: Ctx) -> None:
         c.res["niah"] = nz
 
     for mt in c.methods:
-        c.unit("niah", mt.name, [("gen", mt.name, i) for i in range(ngroups)],
+        gens = ngroups if eval_niah.decodes(mt.kv) else 0  # fake-quant: teacher-forced only
+        c.unit("niah", mt.name, [("gen", mt.name, i) for i in range(gens)],
                lambda mt=mt: run(mt))  # fmt: skip
     if nz["summary"]:
         nz["plot"] = eval_tni.plot_niah(nz["cells"], os.path.join(c.out_dir, "niah.png"))

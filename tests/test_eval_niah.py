@@ -155,6 +155,44 @@ def test_eval_niah_with_the_chat_template(chat_dir, tmp_path):
     assert res2["niah"]["first_tokens"][0] == m.config.bos_token_id
 
 
+def test_eval_niah_scores_fake_quant_methods_teacher_forced(chat_dir, tmp_path):
+    """``oscar-jax eval --tasks niah`` takes the comparison methods too: a fake-quant method
+    (no real cache) gets its hits from ``answer_scores``' greedy flag and is marked so, a
+    calibrated one is fitted on the held-out text first, and every method carries the
+    teacher-forced rate, so the two kinds are compared on the same measure."""
+    m = models.from_pretrained(chat_dir)
+    s = ev.Settings(methods="bf16,kivi2_r16_g16,turbo2_r16_g16,kvquant2_r16_g16", tasks="niah",
+                    ctx=128, niah_lengths=(200,), niah_depths=(0, 50, 100), niah_trials=1,
+                    show_progress=False, compile_workers=0)  # fmt: skip
+    heldout = np.random.default_rng(3).integers(2, 300, 128 * 3)
+    res = ev.run_eval(m, heldout, str(tmp_path), s, model_dir=chat_dir)
+    by = {r["method"]: r for r in res["niah"]["summary"]}
+    assert by["bf16"]["hit_from"] == by["kivi2_r16_g16"]["hit_from"] == "decoded"
+    fq = ("turbo2_r16_g16", "kvquant2_r16_g16")
+    assert all(by[k]["hit_from"] == "teacher-forced" for k in fq)
+    assert any("calibrated methods fitted" in n for n in res["notes"])
+    prompts = [{"ids": p_ids, "answer_ids": a} for p_ids, a in _prompts_of(m, s, chat_dir)]
+    forced = [f for _, f in eval_niah.answer_scores(m, prompts, parse_method("turbo2_r16_g16").kv)]
+    assert by["turbo2_r16_g16"]["rate"] == by["turbo2_r16_g16"]["forced_rate"] == np.mean(forced)
+    lls = res["niah"]["ll"]
+    assert all(len(lls[k]) == 3 and np.isfinite(lls[k]).all() for k in by)
+    assert max(abs(a - b) for a, b in zip(lls["turbo2_r16_g16"], lls["bf16"], strict=True)) > 1e-4
+    assert all("forced_rate" in r for r in by.values())
+    with open(tmp_path / "results.md") as f:
+        md = f.read()
+    assert "turbo2_r16_g16 (*)" in md and "teacher-forced" in md
+    with pytest.raises(ValueError, match="answer_ids"):
+        eval_niah.niah_method(m, parse_method("turbo2_r16_g16"), [{"ids": [1, 2, 3]}], str)
+
+
+def _prompts_of(m, s, model_dir):
+    """The (ids, answer_ids) of the needle prompts the evaluation builds for ``s``."""
+    from oscar_eval import tasks
+
+    ps = tasks._niah_prompts(m, s.resolve(m.config.max_position_embeddings), model_dir)
+    return [(p["ids"], p["answer_ids"]) for p in ps]
+
+
 def test_methods_needle_calibrates_as_the_evaluation(chat_dir, capsys):
     """``benchmarks/methods_needle.py`` fits the calibrated methods as ``oscar-jax eval``
     does (``calibrate_heldout`` on the held-out windows after the scored ones), so they
