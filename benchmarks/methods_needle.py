@@ -1,7 +1,8 @@
 """Issue 36: the passkey answer's log-likelihood for the comparison methods.
 
-The ``niah`` task decodes through the real cache, which refuses the comparison methods
-(``oscar_jax.methods``); this teacher-forces the answer instead
+The ``niah`` task of ``oscar-jax eval`` scores these methods teacher-forced as well, on
+its own length x depth grid; this script is the quick form for one length, with its
+calibration windows chosen freely. It teacher-forces the answer
 (``oscar_eval.niah.answer_logprob``: the prompt prefilled at full precision, the answer's
 tokens attending to the cache as when decoded; the k-bias offset reaches ``oscarb`` /
 ``turbob``). The methods that need calibration (``kvquant``, ``oscarp``, ``oscaro``,
