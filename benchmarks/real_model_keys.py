@@ -17,7 +17,9 @@ RoPE, as the cache gets them) and the library's own quantizer
   mean over heads; RoPE keeps norms, so this is the bias's share of a key), and
   ``bias r^2``: the share of sum r^2 (raw) that the bias's RoPE-turned part alone has
   (keys computed without the bias, subtracted);
-* per method (``--methods``, default kivi2, oscar2, rotation_only2, ots_only2):
+* per method (``--methods``, default kivi2, oscar2, rotation_only2, ots_only2; the
+  comparison methods of ``oscar_jax.methods`` too, except calibrated and pre-RoPE ones:
+  ``oscarb2`` gets the RoPE'd k bias as in the evaluation):
   ``key err``: ||k_hat - k||^2 / ||k||^2; ``score rmse``: the RMS error of the attention
   logits q.k / sqrt(D) over causal (query, key) pairs and query heads; ``attn tv``: the
   mean total-variation distance of the attention rows (0.5 sum |p_hat - p|);
@@ -118,6 +120,23 @@ def _score_errors(q, k, k_hat):
     return mse, tv, align
 
 
+def method_keys(kv, k: np.ndarray, k_nb: np.ndarray | None) -> np.ndarray:
+    """k [B, T, H, D] as method ``kv`` reconstructs it, every token quantized: a cache
+    preset through ``oscar_jax.fake_quant_keys``, a comparison method of
+    ``oscar_jax.methods`` through its ``fake_quant_kv`` (handed the RoPE'd k bias ``k -
+    k_nb`` when it takes one out, as the evaluation does; the keys stand in for the values,
+    whose reconstruction is not used)."""
+    if isinstance(kv, oj.KVQuantConfig):
+        return np.asarray(oj.fake_quant_keys(jnp.asarray(k), kv), np.float32)
+    if getattr(kv, "needs_calibration", False) or getattr(kv, "needs_rope", False):
+        raise ValueError(f"method {kv!r}: calibrated / pre-RoPE methods are not handled here")
+    kw = {}
+    if getattr(kv, "needs_key_bias", False) and k_nb is not None:
+        kw["key_offset"] = jnp.asarray(k[0] - k_nb[0])  # [T, H, D], the same in every row
+    kt = jnp.swapaxes(jnp.asarray(k), 1, 2)  # [B, H, T, D]
+    return np.asarray(jnp.swapaxes(kv.fake_quant_kv(kt, kt, **kw)[0], 1, 2), np.float32)
+
+
 def layer_keys(m, ids: np.ndarray):
     """Per layer: (q, k, k without the k bias or None) [B, T, H, D] float32, and the
     final hidden states; keys as ``models.layers.qkv`` hands them to the cache."""
@@ -214,7 +233,7 @@ def main(argv=None) -> int:
         if bias_norm is not None:
             row["bias_over_k"] = float(np.mean(bias_norm / np.median(knorm, axis=(0, 1))))
         for mt in methods:
-            k_hat = np.asarray(oj.fake_quant_keys(jnp.asarray(k), mt.kv), np.float32)
+            k_hat = method_keys(mt.kv, k, k_nb)
             mse, tv, align = _score_errors(jnp.asarray(q), jnp.asarray(k), jnp.asarray(k_hat))
             row[f"{mt.name}.key_err"] = float(((k_hat - k) ** 2).sum() / (k**2).sum())
             row[f"{mt.name}.score_rmse"] = float(np.sqrt(mse))
