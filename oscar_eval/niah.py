@@ -183,6 +183,31 @@ def answer_logprob(
     return [ll for ll, _ in answer_scores(m, prompts, kv, batch=batch, cache_dtype=cache_dtype)]
 
 
+def _ll_shape(prompts: list[dict], batch: int | None) -> tuple[int, int, int]:
+    """(rows a call, padded tokens, answer tokens) of ``answer_scores``' program."""
+    if not prompts or any("answer_ids" not in p or not p["answer_ids"] for p in prompts):
+        raise ValueError("prompts must be non-empty, each with non-empty answer_ids")
+    batch = len(prompts) if batch is None else batch
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"{batch=} must be a positive int or None (all prompts at once)")
+    n_ans = max(len(p["answer_ids"]) for p in prompts)
+    longest = max(len(p["ids"]) + len(p["answer_ids"]) for p in prompts)
+    return batch, -(-longest // LL_PAD) * LL_PAD, n_ans
+
+
+def answer_program(m: CausalLM, prompts: list[dict], kv, *, batch: int | None = None,
+                   cache_dtype=None):  # fmt: skip
+    """A thunk compiling ``answer_scores``' program for ``prompts`` ahead of use
+    (``oscar_eval.programs.Precompiler``): at long contexts it is as costly to compile as
+    the decoding one."""
+    batch, t, n_ans = _ll_shape(prompts, batch)
+    params, ckv = m.folded_params(kv), eval_ppl.cache_kv_config(kv)
+    dt = jnp.dtype(cache_dtype or m.dtype).name
+    i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+    args = (i32(batch, t), i32(batch), i32(batch, n_ans), i32(batch, n_ans))
+    return lambda: _answer_lp_jit.lower(m.config, ckv, dt, params, *args).compile()
+
+
 def answer_scores(
     m: CausalLM, prompts: list[dict], kv: oj.KVQuantConfig, *, batch: int | None = None,
     cache_dtype=None,
@@ -193,14 +218,7 @@ def answer_scores(
     reaches methods the real cache refuses (``oscar_jax.methods``); it is stricter than the
     ``niah`` task's hit, which matches the decoded text (another tokenization of the
     answer counts there)."""
-    if not prompts or any("answer_ids" not in p or not p["answer_ids"] for p in prompts):
-        raise ValueError("prompts must be non-empty, each with non-empty answer_ids")
-    batch = len(prompts) if batch is None else batch
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"{batch=} must be a positive int or None (all prompts at once)")
-    n_ans = max(len(p["answer_ids"]) for p in prompts)
-    longest = max(len(p["ids"]) + len(p["answer_ids"]) for p in prompts)
-    t = -(-longest // LL_PAD) * LL_PAD
+    batch, t, n_ans = _ll_shape(prompts, batch)
     params, ckv = m.folded_params(kv), eval_ppl.cache_kv_config(kv)
     dt = jnp.dtype(cache_dtype or m.dtype).name
     out: list[tuple[float, bool]] = []

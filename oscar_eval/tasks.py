@@ -127,11 +127,15 @@ def precompile(c: Ctx, tasks) -> None:
     if "niah" in tasks:
         c.prompts = _niah_prompts(m, s, c.model_dir)
         gs = eval_niah.groups(c.prompts, c.niah_group)
-        for mt in filter(lambda mt: eval_niah.decodes(mt.kv), c.methods):
+        cd = s.cache_dtype
+        for mt in c.methods:
             for i, g in enumerate(gs):
-                thunk = eval_niah.generate_program(m, g, mt.kv, s.niah_batch, s.niah_new_tokens,
-                                                   cache_dtype=s.cache_dtype)  # fmt: skip
-                sub(("gen", mt.name, i), thunk)
+                if eval_niah.decodes(mt.kv):  # fake-quant methods: teacher-forced only
+                    gen = eval_niah.generate_program(m, g, mt.kv, s.niah_batch,
+                                                     s.niah_new_tokens, cache_dtype=cd)  # fmt: skip
+                    sub(("gen", mt.name, i), gen)
+                if all(p.get("answer_ids") for p in g):
+                    sub(("ll", mt.name, i), eval_niah.answer_program(m, g, mt.kv, cache_dtype=cd))
     if "ablations" in tasks:
         _, am = ablation_spec(s)
         for mt in c.ppl_todo(am):
@@ -251,8 +255,9 @@ def task_niah(c: Ctx) -> None:
 
     for mt in c.methods:
         gens = ngroups if eval_niah.decodes(mt.kv) else 0  # fake-quant: teacher-forced only
-        c.unit("niah", mt.name, [("gen", mt.name, i) for i in range(gens)],
-               lambda mt=mt: run(mt))  # fmt: skip
+        keys = [(kind, mt.name, i) for kind, n in (("gen", gens), ("ll", ngroups))
+                for i in range(n)]  # fmt: skip
+        c.unit("niah", mt.name, keys, lambda mt=mt: run(mt))
     if nz["summary"]:
         nz["plot"] = eval_tni.plot_niah(nz["cells"], os.path.join(c.out_dir, "niah.png"))
         if nz["plot"] is None:

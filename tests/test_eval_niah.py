@@ -121,6 +121,26 @@ def test_answer_scores_greedy_flag_is_what_greedy_decoding_emits(chat_dir):
         np.testing.assert_allclose([ll for ll, _ in got], lls, rtol=0, atol=0)
 
 
+def test_answer_program_compiles_what_answer_scores_runs(chat_dir):
+    """The needle's teacher-forced program, compiled ahead (``answer_program``, as the
+    evaluation's precompiler does), is the one ``answer_scores`` then runs: no compilation
+    is left for the call."""
+    from oscar_eval.programs import CompileStats
+
+    m = models.from_pretrained(chat_dir)
+    rng = np.random.default_rng(4)
+    prompts = [{"ids": rng.integers(2, 300, n).tolist(), "answer_ids": [5, 6, 7]}
+               for n in (170, 90)]  # fmt: skip
+    kv = parse_method("ots_only2_r16_g16").kv
+    stats = CompileStats()
+    eval_niah.answer_program(m, prompts, kv, cache_dtype="bfloat16")()
+    ahead = stats.get()["compile_s"]
+    after = CompileStats()
+    got = eval_niah.answer_scores(m, prompts, kv, cache_dtype="bfloat16")
+    # only the staging of the three small int arrays compiles (milliseconds each)
+    assert after.get()["compile_s"] < 0.2 * ahead and len(got) == 2, (ahead, after.get())
+
+
 def test_paired_ll_delta():
     d, lo, hi = eval_niah.paired_ll_delta([1.0, 2.0, 3.0, 5.0], [1.0, 1.0, 1.0, 1.0])
     assert d == pytest.approx(1.75) and lo < d < hi
