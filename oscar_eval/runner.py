@@ -159,11 +159,11 @@ def run_eval(
             for k_ in ("ppl", "ppl_nll", "ablations"):
                 res.pop(k_, None)
         res["ppl_key"], res["ppl_windows"] = key, int(len(windows))
-        methods, note = calibrate_heldout(m, methods, heldout, s.ctx, len(windows))
-        if note:
-            res["notes"].append(note)
-    elif "niah" in tasks and heldout is not None:  # the needle alone: fit on the first windows
-        methods, note = calibrate_heldout(m, methods, heldout, s.ctx, 0)
+    if windows is not None or ("niah" in tasks and heldout is not None):
+        # calibrated methods fit on the windows after the scored ones (the needle alone: on
+        # the first windows)
+        methods, note = calibrate_heldout(m, methods, heldout, s.ctx,
+                                          0 if windows is None else len(windows))  # fmt: skip
         if note:
             res["notes"].append(note)
     batch, group = _resolve(s, 0 if windows is None else len(windows))
