@@ -58,3 +58,37 @@ def test_fit_per_layer_and_head_and_the_method_is_oscar_under_it():
         M.parse_name("oscarp2").fake_quant_kv(k[0], v[0])
     with pytest.raises(ValueError, match="rotation"):
         M.OscarRotation(rotation="pca")
+
+
+def test_select_keeps_the_rotation_with_the_smaller_query_weighted_key_error():
+    """oscars: a head whose queries ignore the channel with the widest key groups keeps
+    KIVI's channels (no rotation); one whose queries read only that channel is rotated (the
+    rotation takes the error out of it); each choice has the smaller E[e^T C_q e]."""
+    d, t = 32, 128
+    kk = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 2, t, d))  # [L, N, H, T, D]
+    wide = 3.0 * jnp.sin(jnp.arange(t) * 1.0)  # a fast-turning offset in channel 0
+    k = kk.at[..., 0].add(wide)
+    v = jax.random.normal(jax.random.PRNGKey(3), k.shape)
+    ignore = np.eye(d)
+    ignore[0, 0] = 0.0  # head 0: queries never read channel 0
+    only = np.zeros((d, d))
+    only[0, 0] = 1.0  # head 1: queries read channel 0 alone
+    cq = np.stack([ignore, only])[None]  # [L, H, D, D]
+    cfg = M.parse_name("oscars2").fit(k, v, None, query_cov=cq)
+    assert cfg.needs_queries and not M.parse_name("oscarp2").needs_queries
+    np.testing.assert_array_equal(cfg.calibration.arrays["hadamard"], [[0.0, 1.0]])
+    rot = cfg.calibration.arrays["rotation"]
+    np.testing.assert_allclose(rot[0, 0], np.eye(d))
+    np.testing.assert_allclose(rot[0, 1], rotation.hadamard_matrix(d), atol=1e-6)
+    base = cfg.base("oscar")
+    for h in range(2):
+        errs = []
+        for r in (np.eye(d), rotation.hadamard_matrix(d)):
+            r2 = jnp.asarray(np.stack([r, r]), jnp.float32)
+            e = M.base.oscar_keys_fake_quant(k[0], base, None, rotation=r2) - k[0]
+            errs.append(float(jnp.einsum("ntd,de,nte->", e[:, h], cq[0, h], e[:, h])))
+        assert errs[h] < errs[1 - h]  # the chosen candidate is the better one
+    kh, _ = jax.jit(cfg.fake_quant_kv)(k[0], v[0], state=cfg.calibrated_state(0))
+    assert np.isfinite(np.asarray(kh)).all()
+    with pytest.raises(ValueError, match="query_cov"):
+        M.parse_name("oscars2").fit(k, v, None)

@@ -17,7 +17,9 @@ the real cache refuses it). ``parse_name`` maps the evaluation's method names to
                         ablations _uni1: uniform levels, _post1: post-RoPE keys;
                         _fisher1: the codebooks' k-means weighted by Fisher information)
     oscarp{b}           oscarb under a per-layer PCA-then-Hadamard rotation (B, ``rotation``;
-                        calibrated); oscaro{b}: a random orthogonal one instead
+                        calibrated); oscaro{b}: a random orthogonal one instead;
+                        oscars{b}: per layer and KV head Hadamard or no rotation,
+                        whichever has the smaller query-weighted key error (calibrated)
     oscard{b}_p{P}_t{X} oscarb whose full-precision window keeps up to P groups of TNI
                         (median / smallest key norm) above X, at R' = R - P G (proposal C,
                         ``dynamic``; default P = 2, X = 4)
@@ -69,12 +71,13 @@ FAMILIES = {
     "kvquant": KVQuant,
     "oscarp": OscarRotation,
     "oscaro": lambda **kw: OscarRotation(rotation="random_orthogonal", **kw),
+    "oscars": lambda **kw: OscarRotation(rotation="select", **kw),
     "oscard": OscarDynamic,
     "turboq": TurboQuantProd,
     "qcov": QCov,
 }
 _NAME = re.compile(
-    r"^(oscarbo|oscarb|oscarm|ott|turbob|turboq|turbo|oscarc|kivi|kvquant|oscarp|oscaro|oscard|qcov)"
+    r"^(oscarbo|oscarb|oscarm|ott|turbob|turboq|turbo|oscarc|kivi|kvquant|oscarp|oscaro|oscars|oscard|qcov)"
     r"(\d+)"
     r"((?:_[a-z]+\d+)*)$"
 )

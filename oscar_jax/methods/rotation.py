@@ -7,7 +7,13 @@ principal directions, then mix them evenly with the Walsh-Hadamard matrix, so th
 rotated channel has the same second moment ``tr(C) / D`` (exactly, for any ``C``:
 ``(R C R^T)_jj = sum_i H_ji^2 lambda_i``). ``random_orthogonal`` (``oscaro``): a seeded
 Haar-random orthogonal matrix per layer and head, the control. Hadamard itself is
-``oscarb`` (``oscar`` without a k bias).
+``oscarb`` (``oscar`` without a k bias). ``select`` (``oscars``): per layer and KV head
+either the Hadamard matrix or no rotation (the identity: OScaR's per-token norm on KIVI's
+channels, ``ots_only`` on ``k - RoPE_t(b_k)``), whichever gives the smaller query-weighted
+key error ``E[e^T C_q e]`` (``C_q`` the second moment of the head's queries, so the
+expected squared score error) on the calibration windows: a rotation spreads the key error
+evenly over the channels, which on a model whose queries avoid the channels with the
+widest key groups (Qwen2.5, ACCURACY.md) costs more score error than it saves.
 
 Then OScaR as ``oscarb``: per-token norm of the rotated key, per-channel INT-b over G
 tokens, values as OScaR's. Bytes per token: OScaR's (50 at D = 64); the matrices are
@@ -27,7 +33,7 @@ from jaxtyping import Array, Float
 from oscar_jax.methods import base
 from oscar_jax.methods.bias_offset import OscarBias
 
-ROTATIONS = ("pca_hadamard", "random_orthogonal")
+ROTATIONS = ("pca_hadamard", "random_orthogonal", "select")
 
 
 def hadamard_matrix(d: int) -> np.ndarray:
@@ -71,6 +77,10 @@ class OscarRotation(OscarBias):
             raise ValueError(f"rotation={self.rotation!r} must be one of {ROTATIONS}")
         base._int("seed", self.seed, 0)
 
+    @property
+    def needs_queries(self) -> bool:  # type: ignore[override]
+        return self.rotation == "select"
+
     def fake_quant_kv(
         self,
         k: Float[Array, "B H T D"],
@@ -91,9 +101,14 @@ class OscarRotation(OscarBias):
         kh = base.oscar_keys_fake_quant(k, cfg, off, rotation=rot)
         return kh, base.values_fake_quant(v, cfg)
 
-    def fit(self, k, v, rope, key_offset=None) -> OscarRotation:
+    def fit(self, k, v, rope, key_offset=None, query_cov=None, output_cov=None) -> OscarRotation:
         """``rotation`` [L, H, D, D] from the calibration keys [L, N, H, T, D] minus the
-        k bias's RoPE'd part [L, T, H, D] (when given)."""
+        k bias's RoPE'd part [L, T, H, D] (when given); ``select`` also wants the queries'
+        second moments ``query_cov`` [L, H, D, D] and records its choice as ``hadamard``
+        [L, H] (1: rotated, 0: not)."""
+        del output_cov
+        if self.rotation == "select":
+            return self._fit_select(k, key_offset, query_cov)
         k = np.asarray(k, np.float64)
         n_l, _, n_h, _, d = k.shape
         rng = np.random.default_rng(self.seed)
@@ -108,3 +123,32 @@ class OscarRotation(OscarBias):
                 else:
                     mats[li, h] = random_orthogonal(d, rng)
         return self.replace(calibration=base.Calibration(rotation=mats))
+
+    def _fit_select(self, k, key_offset, query_cov) -> OscarRotation:
+        k = np.asarray(k, np.float32)
+        n_l, _, n_h, _, d = k.shape
+        if query_cov is None or np.shape(query_cov) != (n_l, n_h, d, d):
+            raise ValueError(f"rotation='select' needs query_cov [L, H, D, D] = "
+                             f"{(n_l, n_h, d, d)}: got {np.shape(query_cov)}")  # fmt: skip
+        cands = np.stack([np.broadcast_to(hadamard_matrix(d), (n_h, d, d)),
+                          np.broadcast_to(np.eye(d), (n_h, d, d))])  # fmt: skip
+        mats = np.zeros((n_l, n_h, d, d))
+        pick = np.zeros((n_l, n_h))
+        cfg = self.base("oscar")
+        for li in range(n_l):
+            x = jnp.asarray(k[li])  # [N, H, T, D]
+            off = None
+            if key_offset is not None:
+                off = jnp.swapaxes(jnp.asarray(key_offset[li], jnp.float32), 0, 1)[None]
+            cq = jnp.asarray(query_cov[li], jnp.float32)  # [H, D, D]
+            errs = []  # per head: the mean over calibration tokens of e^T C_q e
+            for rot in cands:
+                xh = base.oscar_keys_fake_quant(x, cfg, off, rotation=jnp.asarray(rot, jnp.float32))
+                e = xh - x
+                errs.append(
+                    np.asarray(jnp.einsum("nhtd,hde,nhte->h", e, cq, e)) / (e.shape[0] * e.shape[2])
+                )
+            rotated = errs[0] <= errs[1]  # [H]
+            mats[li] = np.where(rotated[:, None, None], cands[0], cands[1])
+            pick[li] = rotated
+        return self.replace(calibration=base.Calibration(rotation=mats, hadamard=pick))
