@@ -140,4 +140,7 @@ def calibrate_heldout(
     cal = calibration_windows(heldout, ctx, scored, m.config.bos_token_id)
     note = (f"calibrated methods fitted on the {len(cal)} windows of {ctx} tokens after the "
             "scored ones")  # fmt: skip
-    return calibrate(m, methods, cal), note
+    fitted = calibrate(m, methods, cal)
+    said = [f"{mt.name}: {n}" for mt in fitted
+            if (n := getattr(mt.kv, "calibration_note", lambda: None)()) is not None]  # fmt: skip
+    return fitted, "; ".join([note, *said])

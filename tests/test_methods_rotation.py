@@ -77,6 +77,9 @@ def test_select_keeps_the_rotation_with_the_smaller_query_weighted_key_error():
     cfg = M.parse_name("oscars2").fit(k, v, None, query_cov=cq)
     assert cfg.needs_queries and not M.parse_name("oscarp2").needs_queries
     np.testing.assert_array_equal(cfg.calibration.arrays["hadamard"], [[0.0, 1.0]])
+    assert cfg.calibration_note().startswith("Hadamard kept in 1 of 2 (layer, KV head) pairs")
+    assert cfg.calibration_note().endswith(": -H")
+    assert M.parse_name("oscarp2").calibration_note() is None
     rot = cfg.calibration.arrays["rotation"]
     np.testing.assert_allclose(rot[0, 0], np.eye(d))
     np.testing.assert_allclose(rot[0, 1], rotation.hadamard_matrix(d), atol=1e-6)

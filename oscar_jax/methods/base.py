@@ -164,6 +164,10 @@ class MethodConfig:
             raise ValueError(f"{self.method} was fitted on {n} layers: pass state= one's")
         return {k: a[0 if layer is None else layer] for k, a in arrays.items()}
 
+    def calibration_note(self) -> str | None:
+        """A line on what ``fit`` chose, for the evaluation's notes (None: nothing to say)."""
+        return None
+
     def bytes_per_token(self, head_dim: int, context: int = 2048) -> dict[str, float]:
         """Bytes per token per KV head of the quantized part, by component, and ``total``.
 

@@ -124,6 +124,14 @@ class OscarRotation(OscarBias):
                     mats[li, h] = random_orthogonal(d, rng)
         return self.replace(calibration=base.Calibration(rotation=mats))
 
+    def calibration_note(self) -> str | None:
+        if self.rotation != "select" or self.calibration is None:
+            return None
+        pick = self.calibration.arrays["hadamard"]  # [L, H]
+        per = " ".join("".join("H" if x else "-" for x in row) for row in pick)
+        return (f"Hadamard kept in {int(pick.sum())} of {pick.size} (layer, KV head) "
+                f"pairs; per layer (H rotated, - not): {per}")  # fmt: skip
+
     def _fit_select(self, k, key_offset, query_cov) -> OscarRotation:
         k = np.asarray(k, np.float32)
         n_l, _, n_h, _, d = k.shape
