@@ -200,22 +200,24 @@ def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack, 
                     np.testing.assert_array_equal(got, want.astype(pdt), err_msg=f"V {tid} {reg}")
 
 
-@pytest.mark.parametrize("param_dtype,d", [
-    ("float16", 128), ("bfloat16", 128), ("float16", 64), ("bfloat16", 256),
+@pytest.mark.parametrize("param_dtype,d,bits", [
+    ("float16", 128, 2), ("bfloat16", 128, 2), ("float16", 64, 2), ("bfloat16", 256, 2),
+    ("float16", 128, 4), ("bfloat16", 128, 4), ("bfloat16", 64, 4), ("float16", 256, 4),
 ])  # fmt: skip
-def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d):
+def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d, bits):
     """The warp kernel's V^T A registers, emulated for every thread as the kernel reads them
-    (the owner's word 2 mt + w // 2, shifted right by 8 (w % 2) bits, plane 2 kh + rh in
-    place; the scale / zero pair at ``value_param_word``), equal the planar dequantization
-    of the channel and tokens that register holds in an mma.sync m16n8k16 A fragment."""
+    (INT2: the owner's word 2 mt + w // 2, shifted right by 8 (w % 2) bits; INT4: its word
+    4 mt + w; then plane 2 kh + rh in place, the scale / zero pair at ``value_param_word``),
+    equal the planar dequantization of the channel and tokens that register holds in an
+    mma.sync m16n8k16 A fragment."""
     pdt = jnp.dtype(param_dtype)
-    c = _cache(6, 1, [640], param_dtype=param_dtype, d=d)
+    c = _cache(6, 1, [640], param_dtype=param_dtype, d=d, bits=bits)
     rec, _ = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
                                 c.v_scale, c.v_zero, param_dtype=pdt, block_tokens=64)  # fmt: skip
     r = np.asarray(rec)[0]  # [H, n, W]
-    _, vc_, _, vp_ = record.offsets(2, d)
-    per = record.load_words(2, d)
-    cv = np.asarray(oj.unpack(c.v_codes, 2))[0].astype(np.float64)
+    _, vc_, _, vp_ = record.offsets(bits, d)
+    per = record.load_words(bits, d)
+    cv = np.asarray(oj.unpack(c.v_codes, bits))[0].astype(np.float64)
     f64 = lambda x: np.asarray(x[0], np.float32).astype(np.float64)  # noqa: E731
     vs, vz = f64(c.v_scale), f64(c.v_zero)
 
@@ -232,11 +234,16 @@ def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d):
                     ps = r[:, :, vp_ + mk_warp.value_param_word(d, w, lane, mt16 // 2, 0, kh)]
                     pz = r[:, :, vp_ + mk_warp.value_param_word(d, w, lane, mt16 // 2, 1, kh)]
                     for rh in range(2):
-                        owner, f, p = mk_warp.value_source(2, d, w, lane, mt16, rh, kh)
-                        assert (f, p) == (2 * (mt16 // 4) + w // 2, 4 * (w % 2) + 2 * kh + rh)
-                        word = r[:, :, vc_ + record.code_word(f, owner, per)] >> (8 * (w % 2))
+                        owner, f, p = mk_warp.value_source(bits, d, w, lane, mt16, rh, kh)
+                        assert owner == 32 * (mt16 % 4) + lane
+                        if bits == 2:
+                            assert (f, p) == (2 * (mt16 // 4) + w // 2, 4 * (w % 2) + 2 * kh + rh)
+                            word = r[:, :, vc_ + record.code_word(f, owner, per)] >> (8 * (w % 2))
+                        else:  # the kernel's address: group mt16 // 4 of ``per`` words, word w
+                            assert (f, p) == (4 * (mt16 // 4) + w, 2 * kh + rh)
+                            word = r[:, :, vc_ + 128 * per * (mt16 // 4) + per * owner + w]
                         got = mk_dq.emulate_fragment(word, 2 * kh + rh, halves(ps), halves(pz),
-                                                     bits=2, param_dtype=pdt)  # fmt: skip
+                                                     bits=bits, param_dtype=pdt)  # fmt: skip
                         tok = 64 * n + 16 * w + 2 * j + 8 * kh + np.arange(2)
                         ch = 16 * mt16 + lane // 4 + 8 * rh
                         want = cv[hh, tok, ch] * vs[hh, tok, ch // 32] + vz[hh, tok, ch // 32]
@@ -376,16 +383,17 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
 
 
 @pytest.mark.usefixtures("lowering_stack")
-@pytest.mark.parametrize("block,g,d,pdt", [
-    (256, 4, 128, "float16"), (128, 7, 64, "bfloat16"), (64, 8, 256, "float16"),
-    (128, 1, 128, "bfloat16"),
+@pytest.mark.parametrize("block,g,d,pdt,bits", [
+    (256, 4, 128, "float16", 2), (128, 7, 64, "bfloat16", 2), (64, 8, 256, "float16", 2),
+    (128, 1, 128, "bfloat16", 2), (128, 4, 128, "float16", 4), (256, 3, 64, "bfloat16", 4),
+    (64, 8, 256, "bfloat16", 4),
 ])  # fmt: skip
-def test_warp_kernel_lowers_for_sm90(block, g, d, pdt):
+def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits):
     cfg = mk.Int2DecodeConfig(block_tokens=block, kernel="warp")
     s = jax.ShapeDtypeStruct
     b, h, lq = 2, 2, 1024
     q = s((b, h, g, d), jnp.float32)
-    rec = s((b, h, lq // 64, record.record_words(2, d)), jnp.uint32)
+    rec = s((b, h, lq // 64, record.record_words(bits, d)), jnp.uint32)
     kn, nq = s((b, h, lq), jnp.float32), s((b,), jnp.int32)
     f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg, param_dtype=pdt))
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
@@ -513,6 +521,10 @@ class TestMosaicGPU:
             ([2900, 77], 7, "float16", dict(d=64, block_tokens=128)),
             ([4000, 0, 150], 4, "float16", dict(d=256, block_tokens=128)),
             ([1100, 2047], 2, "bfloat16", dict(d=256, block_tokens=64)),
+            ([4000, 0, 150], 4, "float16", dict(bits=4, block_tokens=128)),
+            ([2080, 1111], 7, "bfloat16", dict(bits=4)),
+            ([990, 481], 3, "float16", dict(bits=4, d=64, block_tokens=64)),
+            ([1100, 2047], 8, "bfloat16", dict(bits=4, d=256, block_tokens=64)),
         ],
     )
     def test_warp_kernel_matches_xla(self, lengths, g, param_dtype, knobs):

@@ -16,7 +16,7 @@ record keeps in the words of thread (mt % 4, l) (``value_source``): one 16-byte 
 (owner, 64-channel block), the word picked by w // 2 and shifted by 8 (w % 2) bits, then the
 usual in-place unpack. The carry is per thread (m, l of its two heads, O^T's D / 4 f32);
 the 4 warps' partials are merged once at the end through shared memory. GQA g <= 8 (N = 8),
-INT2 only; the query comes pre-permuted into B-fragment words (``query_fragments``).
+INT2 and INT4 records; the query comes pre-permuted into B-fragment words (``query_fragments``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def query_fragments(qt):
     return x.reshape(b, h, 32, d // 8)
 
 
-def _warp_fns(pdt, d: int, nsub: int):
+def _warp_fns(pdt, d: int, nsub: int, bits: int = 2):
     """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
     block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
     into the CTA's partials in shared memory)."""
@@ -72,12 +72,12 @@ def _warp_fns(pdt, d: int, nsub: int):
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
 
-    ns = dequant_ns(pdt, unpack="lop3", bits=2, d=d)
+    ns = dequant_ns(pdt, unpack="lop3", bits=bits, d=d)
     c32, idx, words, load4 = ns.c32, ns.idx, ns.words, ns.load4
     is_f16 = pdt == jnp.float16
     ty = "f16" if is_f16 else "bf16"
-    _, vc, _, vp = offsets(2, d)
-    u = load_words(2, d)
+    _, vc, _, vp = offsets(bits, d)
+    u = load_words(bits, d)
     nmt16 = d // 16
 
     def i32():
@@ -130,8 +130,6 @@ def _warp_fns(pdt, d: int, nsub: int):
 
     def value_regs(rec_ref, row, w, j, lane):
         """{(mt16, rh, kh): i32 pair} of V^T A registers of this thread (``value_source``)."""
-        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
-        sh = arith.muli(arith.remui(w, c32(2)), c32(8))
         pbase = arith.addi(
             arith.addi(arith.muli(arith.divui(w, c32(2)), c32(d)), arith.muli(j, c32(4))),
             arith.muli(arith.remui(w, c32(2)), c32(2)),
@@ -141,7 +139,27 @@ def _warp_fns(pdt, d: int, nsub: int):
             for sz in range(2):
                 at = arith.addi(pbase, c32(vp + d // 2 * sz + 16 * grp))
                 par[grp, sz] = words(load4(rec_ref, row, at, 2))  # [kh 0, kh 1]
-        loaded, out = {}, {}
+        out = {}
+        if bits == 4:
+            # the owner's word f = 4 mt + w (``value_source``): group f // u = mt, word w of
+            # it; one 4-byte load (the warp's lanes 4 words apart: 4 wavefronts, as a
+            # 16-byte load, without the selects), planes 2 kh + rh
+            for mt16 in range(nmt16):
+                mt, wo = divmod(mt16, 4)
+                owner = arith.addi(lane, c32(32 * wo))
+                at = arith.addi(arith.addi(c32(vc + 128 * u * mt), arith.muli(owner, c32(u))), w)
+                (x,) = words(load4(rec_ref, row, at, 1))
+                for kh in range(2):
+                    for rh in range(2):
+                        v = ns.unpack_pair(x, 2 * kh + rh, par[mt16 // 2, 0][kh],
+                                           par[mt16 // 2, 1][kh])  # fmt: skip
+                        out[mt16, rh, kh] = as_i32(v)
+            return out
+        # INT2: the owner's word is 2 mt + w // 2, planes 4 (w % 2) + 2 kh + rh: one 16-byte
+        # load a (owner warp, 64-channel block pair), the word selected, shifted by 8 (w % 2)
+        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
+        sh = arith.muli(arith.remui(w, c32(2)), c32(8))
+        loaded = {}
         for mt16 in range(nmt16):
             mt, wo = divmod(mt16, 4)
             f0 = 2 * mt  # the owner's word is f0 (warps 0, 1) or f0 + 1 (warps 2, 3)
@@ -279,15 +297,15 @@ def _warp_fns(pdt, d: int, nsub: int):
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
                          param_dtype=jnp.float16):  # fmt: skip
     """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
-    (acc [B, H, S, D / 64, 64, 16] f32, ml [B, H, S, 2, 16] f32); INT2 records, g <= 8."""
+    (acc [B, H, S, D / 64, 64, 16] f32, ml [B, H, S, 2, 16] f32); INT2 or INT4 records, g <= 8."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, h, g, d = q_rot.shape
     _, _, nrec, words = rec.shape
     bits, d_rec = record_format(words)
-    if bits != 2 or d != d_rec or g > NW:
-        raise ValueError(f"the warp kernel takes INT2 records and g <= {NW}: {bits=}, "
-                         f"{d=} (record {d_rec}), {g=}")  # fmt: skip
+    if d != d_rec or g > NW:
+        raise ValueError(f"the warp kernel takes g <= {NW} query heads a KV head and records "
+                         f"of the query's head_dim: {d=} (record {d_rec}), {g=}")  # fmt: skip
     nmt = d // 64
     lp = nrec * TILE
     bt = cfg.block_tokens
@@ -295,7 +313,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
     qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
-    load_q, step, finish = _warp_fns(pdt, d, nsub)
+    load_q, step, finish = _warp_fns(pdt, d, nsub, bits)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
