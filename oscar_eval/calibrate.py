@@ -30,8 +30,11 @@ from oscar_jax import methods as oscar_methods
 CALIBRATION_WINDOWS = 2  # windows of the evaluation's ctx, after the scored ones
 
 
+STATS = ("none", "moments", "attention")  # what ``_layer_kv_jit`` returns beyond k, v
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _layer_kv_jit(mc: ModelConfig, params, ids, stats: bool = False):
+def _layer_kv_jit(mc: ModelConfig, params, ids, stats: str = "none"):
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
@@ -40,18 +43,45 @@ def _layer_kv_jit(mc: ModelConfig, params, ids, stats: bool = False):
 
         def attend(q, k, v):
             o = layers.causal_attention(q, k, v)
-            seen["q"], seen["o"] = q, o
+            seen["q"], seen["k"], seen["o"] = q, k, o
             return o
 
         x, (k, v) = layers.block(mc, lp, x, positions, attend)
         kv = (k.astype(jnp.float32), v.astype(jnp.float32))
-        if not stats:
+        if stats == "none":
             return x, kv
-        return x, (*kv, *(_group_second_moment(seen[n], mc.num_kv_heads) for n in "qo"))
+        out = (*kv, *(_group_second_moment(seen[n], mc.num_kv_heads) for n in "qo"))
+        if stats == "attention":
+            out += (key_attention_weight(seen["q"], seen["k"]),)
+        return x, out
 
     _, outs = jax.lax.scan(step, layers.embed(params, ids, mc), params["layers"])
     kv = tuple(jnp.swapaxes(a, 2, 3) for a in outs[:2])  # [L, N, H, T, D]
     return kv + tuple(outs[2:])
+
+
+def key_attention_weight(q, k, chunk: int = layers.QUERY_CHUNK):
+    """[B, Hkv, T] float32: the squared causal attention each key receives, summed over
+    the queries of its KV head's group (softmax scale 1 / sqrt(D), as ``causal_attention``),
+    for q [B, T, Hq, D] and k [B, T, Hkv, D]; queries in blocks of ``chunk`` (``lax.map``)
+    so that only [B, Hq, chunk, T] scores live at once."""
+    b, t, hq, d = q.shape
+    h = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, t, h, hq // h, d)
+    kf = k.astype(jnp.float32)
+
+    def block(qb, pos):  # qb [B, C, H, g, D], pos [C]
+        s = jnp.einsum("bqhgd,bkhd->bhgqk", qb, kf, precision=jax.lax.Precision.HIGHEST)
+        mask = (jnp.arange(t)[None, :] <= pos[:, None])[None, None, None]
+        p = jax.nn.softmax(jnp.where(mask, s / np.sqrt(d), -jnp.inf), axis=-1)
+        return jnp.sum(jnp.where(mask, p, 0.0) ** 2, axis=(2, 3))  # [B, H, T]
+
+    if t <= chunk or t % chunk:
+        return block(qg, jnp.arange(t))
+    n = t // chunk
+    qc = jnp.moveaxis(qg.reshape(b, n, chunk, h, hq // h, d), 1, 0)
+    parts = jax.lax.map(lambda a: block(a[0], a[1]), (qc, jnp.arange(t).reshape(n, chunk)))
+    return jnp.sum(parts, axis=0)
 
 
 def _group_second_moment(x, num_kv_heads: int):
@@ -64,7 +94,7 @@ def _group_second_moment(x, num_kv_heads: int):
     )
 
 
-def _layer_outputs(m: CausalLM, windows, stats: bool) -> tuple[np.ndarray, ...]:
+def _layer_outputs(m: CausalLM, windows, stats: str) -> tuple[np.ndarray, ...]:
     if m.config.local_layers:
         raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
     out = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)), stats)
@@ -74,15 +104,16 @@ def _layer_outputs(m: CausalLM, windows, stats: bool) -> tuple[np.ndarray, ...]:
 def layer_kv(m: CausalLM, windows) -> tuple[np.ndarray, np.ndarray]:
     """Keys (post-RoPE) and values [L, N, Hkv, T, D] float32 of every layer, at full
     precision, over the windows [N, T]. Models with sliding-window layers are refused."""
-    return _layer_outputs(m, windows, False)
+    return _layer_outputs(m, windows, "none")
 
 
-def layer_kv_stats(m: CausalLM, windows) -> tuple[np.ndarray, ...]:
+def layer_kv_stats(m: CausalLM, windows, attention: bool = False) -> tuple[np.ndarray, ...]:
     """``layer_kv``'s keys and values, and per layer and KV head the second moments
     [L, Hkv, D, D] of the queries (post-RoPE) and of the attention outputs
     ``softmax(q k^T) v`` (before W_O) of its query group, float32, taken inside the jit
-    (the queries themselves are not kept): what a method with ``needs_queries`` fits on."""
-    return _layer_outputs(m, windows, True)
+    (the queries themselves are not kept): what a method with ``needs_queries`` fits on;
+    with ``attention`` also ``key_attention_weight`` [L, N, Hkv, T] (``needs_attention``)."""
+    return _layer_outputs(m, windows, "attention" if attention else "moments")
 
 
 def calibration_windows(heldout, ctx: int, scored: int, bos: int | None) -> np.ndarray:
@@ -104,8 +135,11 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
     fitted = [mt.kv for mt in methods if getattr(mt.kv, "needs_calibration", False)]
     stats = {}
     if any(kv.needs_queries for kv in fitted):
-        k, v, cq, co = layer_kv_stats(m, windows)
+        attn = any(kv.needs_attention for kv in fitted)
+        k, v, cq, co, *kw = layer_kv_stats(m, windows, attention=attn)
         stats = {"query_cov": cq, "output_cov": co}
+        if attn:
+            stats["key_weight"] = kw[0]
     else:
         k, v = layer_kv(m, windows)
     t = k.shape[3]
@@ -122,6 +156,8 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
         if getattr(mt.kv, "needs_calibration", False):  # a MethodConfig: its needs_* set
             o = off if mt.kv.needs_key_bias else None
             extra = dict(stats if mt.kv.needs_queries else {})
+            if not mt.kv.needs_attention:
+                extra.pop("key_weight", None)
             if mt.kv.needs_grads:
                 extra["grads"] = grads
             mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o, **extra))

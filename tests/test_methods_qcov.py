@@ -233,3 +233,42 @@ def test_calibration_hands_query_statistics_only_to_methods_that_need_them():
         xg = np.asarray(x, np.float64).reshape(2, 64, 2, 2, 32)
         want = np.einsum("bthgd,bthge->hde", xg, xg) / (2 * 64 * 2)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("t,chunk", [(96, 256), (512, 128)])
+def test_key_attention_weight_is_the_squared_causal_attention_summed_over_queries(t, chunk):
+    """``key_attention_weight`` (the weights of oscars2_attn1) against the softmax written
+    out in numpy; query blocks (``chunk``) change nothing."""
+    rng = np.random.default_rng(t)
+    b, hq, h, d = 2, 4, 2, 16
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, t, h, d)) * 2.0, jnp.float32)
+    got = np.asarray(ecal.key_attention_weight(q, k, chunk=chunk))
+    qg = np.asarray(q, np.float64).reshape(b, t, h, hq // h, d)
+    s = np.einsum("bqhgd,bkhd->bhgqk", qg, np.asarray(k, np.float64)) / np.sqrt(d)
+    s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(got, (p**2).sum(axis=(2, 3)), rtol=1e-4, atol=1e-6)
+    assert got.shape == (b, h, t)
+
+
+def test_calibration_hands_key_weights_only_to_the_attention_weighted_selection():
+    m = _model()
+    cal = np.random.default_rng(5).integers(1, 256, (2, 64))
+    from oscar_eval.common import Method
+
+    mts = ecal.calibrate(m, [Method("spy", _SpyQ()), parse_method("oscars2_attn1", 16, 16),
+                             parse_method("oscars2", 16, 16)], cal)  # fmt: skip
+    assert mts[0].kv.seen == ("output_cov", "query_cov")
+    for mt in mts[1:]:
+        assert mt.kv.calibration.arrays["hadamard"].shape == (2, 2)
+    k, v, cq, co, kw = ecal.layer_kv_stats(m, cal, attention=True)
+    assert kw.shape == (2, 2, 2, 64) and np.isfinite(kw).all()
+    # every query's probabilities sum to 1, so a head's squared mass is at most T per window
+    assert (kw > 0).all() and (kw.sum(-1) <= 64 * 2 + 1e-3).all()
+
+
+@dataclasses.dataclass(frozen=True)
+class _SpyQ(_Spy):
+    needs_queries = True

@@ -95,3 +95,47 @@ def test_select_keeps_the_rotation_with_the_smaller_query_weighted_key_error():
     assert np.isfinite(np.asarray(kh)).all()
     with pytest.raises(ValueError, match="query_cov"):
         M.parse_name("oscars2").fit(k, v, None)
+
+
+def test_select_weighted_by_attention_judges_the_keys_that_take_the_attention():
+    """oscars2_attn1: with every weight on one token, the pick is the candidate with the
+    smaller e^T C_q e on that token (here the opposite of the uniform pick); uniform
+    weights reproduce the unweighted selection; missing or misshapen weights raise."""
+    d, t = 32, 128
+    kk = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 2, t, d))
+    k = kk.at[..., 0].add(3.0 * jnp.sin(jnp.arange(t) * 1.0))
+    v = jax.random.normal(jax.random.PRNGKey(3), k.shape)
+    ignore = np.eye(d)
+    ignore[0, 0] = 0.0
+    cq = np.stack([ignore, ignore])[None]  # both heads: queries never read channel 0
+    plain = M.parse_name("oscars2").fit(k, v, None, query_cov=cq)
+    np.testing.assert_array_equal(plain.calibration.arrays["hadamard"], [[0.0, 0.0]])
+    cfg = M.parse_name("oscars2_attn1")
+    assert cfg.weight == "attention" and cfg.needs_attention and cfg.needs_queries
+    assert not plain.needs_attention
+    ones = np.ones((1, 2, 2, t), np.float32)
+    same = cfg.fit(k, v, None, query_cov=cq, key_weight=ones)
+    np.testing.assert_array_equal(same.calibration.arrays["hadamard"], [[0.0, 0.0]])
+    # per-token errors of both candidates on head 1; all weight on a token the rotation wins
+    base = cfg.base("oscar")
+    per = []
+    for r in (np.eye(d), rotation.hadamard_matrix(d)):
+        r2 = jnp.asarray(np.stack([r, r]), jnp.float32)
+        e = M.base.oscar_keys_fake_quant(k[0], base, None, rotation=r2) - k[0]
+        per.append(np.asarray(jnp.einsum("ntd,de,nte->nt", e[:, 1], cq[0, 1], e[:, 1])))
+    n, tok = np.unravel_index(np.argmax(per[0] - per[1]), per[0].shape)
+    assert per[1][n, tok] < per[0][n, tok]
+    w = np.zeros((1, 2, 2, t), np.float32)
+    w[0, :, 0] = 1.0  # head 0: uniform, keeps its plain pick
+    w[0, n, 1, tok] = 1.0
+    picked = cfg.fit(k, v, None, query_cov=cq, key_weight=w)
+    np.testing.assert_array_equal(picked.calibration.arrays["hadamard"], [[0.0, 1.0]])
+    assert "weighted by attention" in picked.calibration_note()
+    with pytest.raises(ValueError, match="key_weight"):
+        cfg.fit(k, v, None, query_cov=cq)
+    with pytest.raises(ValueError, match="key_weight"):
+        cfg.fit(k, v, None, query_cov=cq, key_weight=w[:, :1])
+    with pytest.raises(ValueError, match="select"):
+        rotation.OscarRotation(bits=2, weight="attention")
+    with pytest.raises(ValueError, match="weight"):
+        rotation.OscarRotation(bits=2, rotation="select", weight="softmax")

@@ -85,7 +85,8 @@ _NAME = re.compile(
 
 _OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
              "kvquant": ", ko<N>, vo<N>, uni1, post1, fisher1",
-             "oscarbo": ", ko<N>, vo<N>, nuq1", "qcov": ", sink<S>, c<C>, u0, b1"}  # fmt: skip
+             "oscarbo": ", ko<N>, vo<N>, nuq1", "qcov": ", sink<S>, c<C>, u0, b1",
+             "oscars": ", attn1"}  # fmt: skip
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -123,6 +124,8 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
             kw["spectral"] = bool(sufs.pop("u"))
         if "b" in sufs:
             kw["bias_offset"] = bool(sufs.pop("b"))
+    if fam == "oscars" and "attn" in sufs:  # keys' errors weighted by their attention
+        kw["weight"] = "attention" if sufs.pop("attn") else "uniform"
     if fam == "oscarbo" and "nuq" in sufs:  # fitted (k-means) levels
         kw["fitted_levels"] = bool(sufs.pop("nuq"))
     if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)

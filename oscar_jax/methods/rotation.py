@@ -13,7 +13,12 @@ channels, ``ots_only`` on ``k - RoPE_t(b_k)``), whichever gives the smaller quer
 key error ``E[e^T C_q e]`` (``C_q`` the second moment of the head's queries, so the
 expected squared score error) on the calibration windows: a rotation spreads the key error
 evenly over the channels, which on a model whose queries avoid the channels with the
-widest key groups (Qwen2.5, ACCURACY.md) costs more score error than it saves.
+widest key groups (Qwen2.5, ACCURACY.md) costs more score error than it saves. With
+``weight="attention"`` (``oscars<b>_attn1``) each key's error counts in proportion to the
+squared attention it receives on the calibration windows (``key_weight``: sum over the
+group's queries of p^2): a score error delta_t moves the output by about p_t delta_t
+(v_t - o), so the heads whose few sink keys take most of the attention are judged on
+those keys.
 
 Then OScaR as ``oscarb``: per-token norm of the rotated key, per-channel INT-b over G
 tokens, values as OScaR's. Bytes per token: OScaR's (50 at D = 64); the matrices are
@@ -34,6 +39,7 @@ from oscar_jax.methods import base
 from oscar_jax.methods.bias_offset import OscarBias
 
 ROTATIONS = ("pca_hadamard", "random_orthogonal", "select")
+WEIGHTS = ("uniform", "attention")  # how ``select`` weighs the calibration tokens
 
 
 def hadamard_matrix(d: int) -> np.ndarray:
@@ -68,6 +74,7 @@ class OscarRotation(OscarBias):
 
     rotation: str = "pca_hadamard"
     seed: int = 0
+    weight: str = "uniform"
 
     needs_calibration = True
 
@@ -76,10 +83,19 @@ class OscarRotation(OscarBias):
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation={self.rotation!r} must be one of {ROTATIONS}")
         base._int("seed", self.seed, 0)
+        if self.weight not in WEIGHTS:
+            raise ValueError(f"weight={self.weight!r} must be one of {WEIGHTS}")
+        if self.weight != "uniform" and self.rotation != "select":
+            raise ValueError(f"weight={self.weight!r} applies to rotation='select' only, "
+                             f"not {self.rotation!r}")  # fmt: skip
 
     @property
     def needs_queries(self) -> bool:  # type: ignore[override]
         return self.rotation == "select"
+
+    @property
+    def needs_attention(self) -> bool:  # type: ignore[override]
+        return self.weight == "attention"
 
     def fake_quant_kv(
         self,
@@ -101,14 +117,16 @@ class OscarRotation(OscarBias):
         kh = base.oscar_keys_fake_quant(k, cfg, off, rotation=rot)
         return kh, base.values_fake_quant(v, cfg)
 
-    def fit(self, k, v, rope, key_offset=None, query_cov=None, output_cov=None) -> OscarRotation:
+    def fit(self, k, v, rope, key_offset=None, query_cov=None, output_cov=None,
+            key_weight=None) -> OscarRotation:  # fmt: skip
         """``rotation`` [L, H, D, D] from the calibration keys [L, N, H, T, D] minus the
         k bias's RoPE'd part [L, T, H, D] (when given); ``select`` also wants the queries'
-        second moments ``query_cov`` [L, H, D, D] and records its choice as ``hadamard``
-        [L, H] (1: rotated, 0: not)."""
+        second moments ``query_cov`` [L, H, D, D] (and, weighted by attention, the keys'
+        ``key_weight`` [L, N, H, T]) and records its choice as ``hadamard`` [L, H] (1:
+        rotated, 0: not)."""
         del output_cov
         if self.rotation == "select":
-            return self._fit_select(k, key_offset, query_cov)
+            return self._fit_select(k, key_offset, query_cov, key_weight)
         k = np.asarray(k, np.float64)
         n_l, _, n_h, _, d = k.shape
         rng = np.random.default_rng(self.seed)
@@ -129,15 +147,23 @@ class OscarRotation(OscarBias):
             return None
         pick = self.calibration.arrays["hadamard"]  # [L, H]
         per = " ".join("".join("H" if x else "-" for x in row) for row in pick)
+        how = " (key errors weighted by attention)" if self.weight == "attention" else ""
         return (f"Hadamard kept in {int(pick.sum())} of {pick.size} (layer, KV head) "
-                f"pairs; per layer (H rotated, - not): {per}")  # fmt: skip
+                f"pairs{how}; per layer (H rotated, - not): {per}")  # fmt: skip
 
-    def _fit_select(self, k, key_offset, query_cov) -> OscarRotation:
+    def _fit_select(self, k, key_offset, query_cov, key_weight=None) -> OscarRotation:
         k = np.asarray(k, np.float32)
-        n_l, _, n_h, _, d = k.shape
+        n_l, n_n, n_h, n_t, d = k.shape
         if query_cov is None or np.shape(query_cov) != (n_l, n_h, d, d):
             raise ValueError(f"rotation='select' needs query_cov [L, H, D, D] = "
                              f"{(n_l, n_h, d, d)}: got {np.shape(query_cov)}")  # fmt: skip
+        if self.weight == "attention":
+            if key_weight is None or np.shape(key_weight) != (n_l, n_n, n_h, n_t):
+                raise ValueError(f"weight='attention' needs key_weight [L, N, H, T] = "
+                                 f"{(n_l, n_n, n_h, n_t)}: got {np.shape(key_weight)}")  # fmt: skip
+            wts = np.asarray(key_weight, np.float32)
+        else:
+            wts = np.ones((n_l, n_n, n_h, n_t), np.float32)
         cands = np.stack([np.broadcast_to(hadamard_matrix(d), (n_h, d, d)),
                           np.broadcast_to(np.eye(d), (n_h, d, d))])  # fmt: skip
         mats = np.zeros((n_l, n_h, d, d))
@@ -149,13 +175,13 @@ class OscarRotation(OscarBias):
             if key_offset is not None:
                 off = jnp.swapaxes(jnp.asarray(key_offset[li], jnp.float32), 0, 1)[None]
             cq = jnp.asarray(query_cov[li], jnp.float32)  # [H, D, D]
-            errs = []  # per head: the mean over calibration tokens of e^T C_q e
+            wl = jnp.asarray(wts[li])  # [N, H, T]
+            errs = []  # per head: the weighted mean over calibration tokens of e^T C_q e
             for rot in cands:
                 xh = base.oscar_keys_fake_quant(x, cfg, off, rotation=jnp.asarray(rot, jnp.float32))
                 e = xh - x
-                errs.append(
-                    np.asarray(jnp.einsum("nhtd,hde,nhte->h", e, cq, e)) / (e.shape[0] * e.shape[2])
-                )
+                num = jnp.einsum("nhtd,hde,nhte,nht->h", e, cq, e, wl)
+                errs.append(np.asarray(num / jnp.maximum(jnp.sum(wl, axis=(0, 2)), 1e-30)))
             rotated = errs[0] <= errs[1]  # [H]
             mats[li] = np.where(rotated[:, None, None], cands[0], cands[1])
             pick[li] = rotated
