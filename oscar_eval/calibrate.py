@@ -30,13 +30,23 @@ from oscar_jax import methods as oscar_methods
 CALIBRATION_WINDOWS = 2  # windows of the evaluation's ctx, after the scored ones
 
 
-STATS = ("none", "moments", "attention")  # what ``_layer_kv_jit`` returns beyond k, v
+QUERY_SAMPLES = 256  # query positions ``layer_kv_stats(queries=True)`` keeps a window
+
+
+def query_positions(t: int, n: int = QUERY_SAMPLES) -> np.ndarray:
+    """[min(n, t)] int32: evenly spaced query positions of a window of t tokens, the last
+    included (later queries see more of the quantized history)."""
+    return np.unique(np.round(np.linspace(0, t - 1, min(n, t))).astype(np.int32))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _layer_kv_jit(mc: ModelConfig, params, ids, stats: str = "none"):
+def _layer_kv_jit(mc: ModelConfig, params, ids, extras: tuple = ()):
+    """k, v [L, N, H, T, D], then per name in ``extras`` (in this order): "moments" (query
+    and output second moments), "attention" (``key_attention_weight``), "queries" (the
+    queries [L, N, Hq, S, D] at ``query_positions``)."""
     b, t = ids.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    qpos = jnp.asarray(query_positions(t))
 
     def step(x, lp):
         seen = {}
@@ -47,12 +57,13 @@ def _layer_kv_jit(mc: ModelConfig, params, ids, stats: str = "none"):
             return o
 
         x, (k, v) = layers.block(mc, lp, x, positions, attend)
-        kv = (k.astype(jnp.float32), v.astype(jnp.float32))
-        if stats == "none":
-            return x, kv
-        out = (*kv, *(_group_second_moment(seen[n], mc.num_kv_heads) for n in "qo"))
-        if stats == "attention":
+        out = (k.astype(jnp.float32), v.astype(jnp.float32))
+        if "moments" in extras:
+            out += tuple(_group_second_moment(seen[n], mc.num_kv_heads) for n in "qo")
+        if "attention" in extras:
             out += (key_attention_weight(seen["q"], seen["k"]),)
+        if "queries" in extras:  # [B, S, Hq, D] -> [B, Hq, S, D]
+            out += (jnp.swapaxes(seen["q"][:, qpos].astype(jnp.float32), 1, 2),)
         return x, out
 
     _, outs = jax.lax.scan(step, layers.embed(params, ids, mc), params["layers"])
@@ -94,26 +105,29 @@ def _group_second_moment(x, num_kv_heads: int):
     )
 
 
-def _layer_outputs(m: CausalLM, windows, stats: str) -> tuple[np.ndarray, ...]:
+def _layer_outputs(m: CausalLM, windows, extras: tuple = ()) -> tuple[np.ndarray, ...]:
     if m.config.local_layers:
         raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
-    out = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)), stats)
+    out = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)), extras)
     return tuple(np.asarray(a) for a in out)
 
 
 def layer_kv(m: CausalLM, windows) -> tuple[np.ndarray, np.ndarray]:
     """Keys (post-RoPE) and values [L, N, Hkv, T, D] float32 of every layer, at full
     precision, over the windows [N, T]. Models with sliding-window layers are refused."""
-    return _layer_outputs(m, windows, "none")
+    return _layer_outputs(m, windows)
 
 
-def layer_kv_stats(m: CausalLM, windows, attention: bool = False) -> tuple[np.ndarray, ...]:
+def layer_kv_stats(m: CausalLM, windows, attention: bool = False,
+                   queries: bool = False) -> tuple[np.ndarray, ...]:  # fmt: skip
     """``layer_kv``'s keys and values, and per layer and KV head the second moments
     [L, Hkv, D, D] of the queries (post-RoPE) and of the attention outputs
-    ``softmax(q k^T) v`` (before W_O) of its query group, float32, taken inside the jit
-    (the queries themselves are not kept): what a method with ``needs_queries`` fits on;
-    with ``attention`` also ``key_attention_weight`` [L, N, Hkv, T] (``needs_attention``)."""
-    return _layer_outputs(m, windows, "attention" if attention else "moments")
+    ``softmax(q k^T) v`` (before W_O) of its query group, float32, taken inside the jit:
+    what a method with ``needs_queries`` fits on; then with ``attention``
+    ``key_attention_weight`` [L, N, Hkv, T] (``needs_attention``), with ``queries`` the
+    queries [L, N, Hq, S, D] at ``query_positions`` (``needs_query_samples``)."""
+    extras = ("moments",) + ("attention",) * attention + ("queries",) * queries
+    return _layer_outputs(m, windows, extras)
 
 
 def calibration_windows(heldout, ctx: int, scored: int, bos: int | None) -> np.ndarray:
@@ -136,10 +150,14 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
     stats = {}
     if any(kv.needs_queries for kv in fitted):
         attn = any(kv.needs_attention for kv in fitted)
-        k, v, cq, co, *kw = layer_kv_stats(m, windows, attention=attn)
+        qs = any(kv.needs_query_samples for kv in fitted)
+        k, v, cq, co, *more = layer_kv_stats(m, windows, attention=attn, queries=qs)
         stats = {"query_cov": cq, "output_cov": co}
         if attn:
-            stats["key_weight"] = kw[0]
+            stats["key_weight"] = more.pop(0)
+        if qs:
+            stats["queries"] = more.pop(0)
+            stats["query_pos"] = query_positions(k.shape[3])
     else:
         k, v = layer_kv(m, windows)
     t = k.shape[3]
@@ -158,6 +176,9 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
             extra = dict(stats if mt.kv.needs_queries else {})
             if not mt.kv.needs_attention:
                 extra.pop("key_weight", None)
+            if not mt.kv.needs_query_samples:
+                extra.pop("queries", None)
+                extra.pop("query_pos", None)
             if mt.kv.needs_grads:
                 extra["grads"] = grads
             mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o, **extra))

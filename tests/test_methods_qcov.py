@@ -259,12 +259,16 @@ def test_calibration_hands_key_weights_only_to_the_attention_weighted_selection(
     from oscar_eval.common import Method
 
     mts = ecal.calibrate(m, [Method("spy", _SpyQ()), parse_method("oscars2_attn1", 16, 16),
-                             parse_method("oscars2", 16, 16)], cal)  # fmt: skip
+                             parse_method("oscars2", 16, 16), parse_method("oscars2_out1", 16, 16)],
+                         cal)  # fmt: skip
     assert mts[0].kv.seen == ("output_cov", "query_cov")
     for mt in mts[1:]:
         assert mt.kv.calibration.arrays["hadamard"].shape == (2, 2)
-    k, v, cq, co, kw = ecal.layer_kv_stats(m, cal, attention=True)
+    k, v, cq, co, kw, qs = ecal.layer_kv_stats(m, cal, attention=True, queries=True)
     assert kw.shape == (2, 2, 2, 64) and np.isfinite(kw).all()
+    np.testing.assert_array_equal(ecal.query_positions(64), np.arange(64))
+    assert qs.shape == (2, 2, 4, 64, 32)  # [L, N, Hq, S, D]
+    assert list(ecal.query_positions(1024, 256)[[0, -1]]) == [0, 1023]
     # every query's probabilities sum to 1, so a head's squared mass is at most T per window
     assert (kw > 0).all() and (kw.sum(-1) <= 64 * 2 + 1e-3).all()
 

@@ -111,7 +111,7 @@ def test_select_weighted_by_attention_judges_the_keys_that_take_the_attention():
     plain = M.parse_name("oscars2").fit(k, v, None, query_cov=cq)
     np.testing.assert_array_equal(plain.calibration.arrays["hadamard"], [[0.0, 0.0]])
     cfg = M.parse_name("oscars2_attn1")
-    assert cfg.weight == "attention" and cfg.needs_attention and cfg.needs_queries
+    assert cfg.criterion == "attention" and cfg.needs_attention and cfg.needs_queries
     assert not plain.needs_attention
     ones = np.ones((1, 2, 2, t), np.float32)
     same = cfg.fit(k, v, None, query_cov=cq, key_weight=ones)
@@ -136,6 +136,49 @@ def test_select_weighted_by_attention_judges_the_keys_that_take_the_attention():
     with pytest.raises(ValueError, match="key_weight"):
         cfg.fit(k, v, None, query_cov=cq, key_weight=w[:, :1])
     with pytest.raises(ValueError, match="select"):
-        rotation.OscarRotation(bits=2, weight="attention")
-    with pytest.raises(ValueError, match="weight"):
-        rotation.OscarRotation(bits=2, rotation="select", weight="softmax")
+        rotation.OscarRotation(bits=2, criterion="attention")
+    with pytest.raises(ValueError, match="criterion"):
+        rotation.OscarRotation(bits=2, rotation="select", criterion="softmax")
+    with pytest.raises(ValueError, match="exclude"):
+        M.parse_name("oscars2_attn1_out1")
+
+
+def test_select_by_output_error_picks_the_candidate_whose_attention_output_is_closer():
+    """oscars2_out1: per head, the candidate with the smaller ||softmax(q k_hat^T) v -
+    softmax(q k^T) v||^2 over the sampled queries (recomputed here in numpy, causal)."""
+    d, t, hq = 32, 128, 4
+    rng = np.random.default_rng(7)
+    kk = jax.random.normal(jax.random.PRNGKey(2), (1, 2, 2, t, d))
+    k = kk.at[..., 0].add(3.0 * jnp.sin(jnp.arange(t) * 1.0))
+    k = k.at[:, :, :, 0].multiply(0.05)  # a short first key (a sink)
+    v = jax.random.normal(jax.random.PRNGKey(3), k.shape)
+    pos = np.array([5, 40, 90, 127], np.int32)
+    q = rng.standard_normal((1, 2, hq, len(pos), d)).astype(np.float32) * 2.0
+    q[:, :, :, :, 0] *= 6.0  # queries leaning on the channel with the wide groups
+    cq = np.broadcast_to(np.eye(d), (1, 2, d, d))
+    cfg = M.parse_name("oscars2_out1")
+    assert cfg.criterion == "output" and cfg.needs_query_samples and not cfg.needs_attention
+    got = cfg.fit(k, v, None, query_cov=cq, queries=q, query_pos=pos)
+    base = cfg.base("oscar")
+    kn, vn = np.asarray(k[0], np.float64), np.asarray(v[0], np.float64)
+    qg = q[0].astype(np.float64).reshape(2, 2, hq // 2, len(pos), d)
+    mask = np.arange(t)[None, :] <= pos[:, None]
+
+    def out(kx):
+        s = np.einsum("nhgsd,nhtd->nhgst", qg, kx) / np.sqrt(d)
+        s = np.where(mask, s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return np.einsum("nhgst,nhtd->nhgsd", p / p.sum(-1, keepdims=True), vn)
+
+    errs = []
+    for r in (rotation.hadamard_matrix(d), np.eye(d)):
+        r2 = jnp.asarray(np.stack([r, r]), jnp.float32)
+        kh = np.asarray(M.base.oscar_keys_fake_quant(k[0], base, None, rotation=r2), np.float64)
+        errs.append(((out(kh) - out(kn)) ** 2).sum(axis=(0, 2, 3, 4)))
+    assert not np.allclose(errs[0], errs[1], rtol=1e-3)  # the choice is not a tie
+    np.testing.assert_array_equal(got.calibration.arrays["hadamard"][0], errs[0] <= errs[1])
+    assert "attention output" in got.calibration_note()
+    with pytest.raises(ValueError, match="queries"):
+        cfg.fit(k, v, None, query_cov=cq)
+    with pytest.raises(ValueError, match="queries"):
+        cfg.fit(k, v, None, query_cov=cq, queries=q, query_pos=pos[:2])

@@ -86,7 +86,7 @@ _NAME = re.compile(
 _OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
              "kvquant": ", ko<N>, vo<N>, uni1, post1, fisher1",
              "oscarbo": ", ko<N>, vo<N>, nuq1", "qcov": ", sink<S>, c<C>, u0, b1",
-             "oscars": ", attn1"}  # fmt: skip
+             "oscars": ", attn1, out1"}  # fmt: skip
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -124,8 +124,13 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
             kw["spectral"] = bool(sufs.pop("u"))
         if "b" in sufs:
             kw["bias_offset"] = bool(sufs.pop("b"))
-    if fam == "oscars" and "attn" in sufs:  # keys' errors weighted by their attention
-        kw["weight"] = "attention" if sufs.pop("attn") else "uniform"
+    if fam == "oscars":  # the selection's criterion (default: the score error)
+        if sufs.pop("attn", 0):  # keys' errors weighted by their attention
+            kw["criterion"] = "attention"
+        if sufs.pop("out", 0):  # the attention output's measured error
+            if "criterion" in kw:
+                raise ValueError(f"method={name!r}: attn1 and out1 exclude each other")
+            kw["criterion"] = "output"
     if fam == "oscarbo" and "nuq" in sufs:  # fitted (k-means) levels
         kw["fitted_levels"] = bool(sufs.pop("nuq"))
     if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)

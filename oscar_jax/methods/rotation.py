@@ -14,11 +14,13 @@ key error ``E[e^T C_q e]`` (``C_q`` the second moment of the head's queries, so 
 expected squared score error) on the calibration windows: a rotation spreads the key error
 evenly over the channels, which on a model whose queries avoid the channels with the
 widest key groups (Qwen2.5, ACCURACY.md) costs more score error than it saves. With
-``weight="attention"`` (``oscars<b>_attn1``) each key's error counts in proportion to the
+``criterion="attention"`` (``oscars<b>_attn1``) each key's error counts in proportion to the
 squared attention it receives on the calibration windows (``key_weight``: sum over the
 group's queries of p^2): a score error delta_t moves the output by about p_t delta_t
 (v_t - o), so the heads whose few sink keys take most of the attention are judged on
-those keys.
+those keys. ``criterion="output"`` (``oscars<b>_out1``) measures instead what each
+candidate does to the attention output: ||softmax(q k_hat^T) v - softmax(q k^T) v||^2 summed
+over sampled calibration queries (``queries`` at ``query_pos``) and the group's heads.
 
 Then OScaR as ``oscarb``: per-token norm of the rotated key, per-channel INT-b over G
 tokens, values as OScaR's. Bytes per token: OScaR's (50 at D = 64); the matrices are
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
@@ -39,7 +42,7 @@ from oscar_jax.methods import base
 from oscar_jax.methods.bias_offset import OscarBias
 
 ROTATIONS = ("pca_hadamard", "random_orthogonal", "select")
-WEIGHTS = ("uniform", "attention")  # how ``select`` weighs the calibration tokens
+CRITERIA = ("score", "attention", "output")  # how ``select`` compares its candidates
 
 
 def hadamard_matrix(d: int) -> np.ndarray:
@@ -74,7 +77,7 @@ class OscarRotation(OscarBias):
 
     rotation: str = "pca_hadamard"
     seed: int = 0
-    weight: str = "uniform"
+    criterion: str = "score"
 
     needs_calibration = True
 
@@ -83,11 +86,11 @@ class OscarRotation(OscarBias):
         if self.rotation not in ROTATIONS:
             raise ValueError(f"rotation={self.rotation!r} must be one of {ROTATIONS}")
         base._int("seed", self.seed, 0)
-        if self.weight not in WEIGHTS:
-            raise ValueError(f"weight={self.weight!r} must be one of {WEIGHTS}")
-        if self.weight != "uniform" and self.rotation != "select":
-            raise ValueError(f"weight={self.weight!r} applies to rotation='select' only, "
-                             f"not {self.rotation!r}")  # fmt: skip
+        if self.criterion not in CRITERIA:
+            raise ValueError(f"criterion={self.criterion!r} must be one of {CRITERIA}")
+        if self.criterion != "score" and self.rotation != "select":
+            raise ValueError(f"criterion={self.criterion!r} applies to rotation='select' "
+                             f"only, not {self.rotation!r}")  # fmt: skip
 
     @property
     def needs_queries(self) -> bool:  # type: ignore[override]
@@ -95,7 +98,11 @@ class OscarRotation(OscarBias):
 
     @property
     def needs_attention(self) -> bool:  # type: ignore[override]
-        return self.weight == "attention"
+        return self.criterion == "attention"
+
+    @property
+    def needs_query_samples(self) -> bool:  # type: ignore[override]
+        return self.criterion == "output"
 
     def fake_quant_kv(
         self,
@@ -118,15 +125,16 @@ class OscarRotation(OscarBias):
         return kh, base.values_fake_quant(v, cfg)
 
     def fit(self, k, v, rope, key_offset=None, query_cov=None, output_cov=None,
-            key_weight=None) -> OscarRotation:  # fmt: skip
+            key_weight=None, queries=None, query_pos=None) -> OscarRotation:  # fmt: skip
         """``rotation`` [L, H, D, D] from the calibration keys [L, N, H, T, D] minus the
         k bias's RoPE'd part [L, T, H, D] (when given); ``select`` also wants the queries'
-        second moments ``query_cov`` [L, H, D, D] (and, weighted by attention, the keys'
-        ``key_weight`` [L, N, H, T]) and records its choice as ``hadamard`` [L, H] (1:
-        rotated, 0: not)."""
+        second moments ``query_cov`` [L, H, D, D] (criterion "attention": the keys'
+        ``key_weight`` [L, N, H, T]; "output": ``queries`` [L, N, Hq, S, D] at positions
+        ``query_pos`` [S] and the values v) and records its choice as ``hadamard`` [L, H]
+        (1: rotated, 0: not)."""
         del output_cov
         if self.rotation == "select":
-            return self._fit_select(k, key_offset, query_cov, key_weight)
+            return self._fit_select(k, v, key_offset, query_cov, key_weight, queries, query_pos)
         k = np.asarray(k, np.float64)
         n_l, _, n_h, _, d = k.shape
         rng = np.random.default_rng(self.seed)
@@ -147,23 +155,31 @@ class OscarRotation(OscarBias):
             return None
         pick = self.calibration.arrays["hadamard"]  # [L, H]
         per = " ".join("".join("H" if x else "-" for x in row) for row in pick)
-        how = " (key errors weighted by attention)" if self.weight == "attention" else ""
+        how = {"score": "", "attention": " (key errors weighted by attention)",
+               "output": " (by the attention output's error)"}[self.criterion]  # fmt: skip
         return (f"Hadamard kept in {int(pick.sum())} of {pick.size} (layer, KV head) "
                 f"pairs{how}; per layer (H rotated, - not): {per}")  # fmt: skip
 
-    def _fit_select(self, k, key_offset, query_cov, key_weight=None) -> OscarRotation:
+    def _fit_select(self, k, v, key_offset, query_cov, key_weight=None, queries=None,
+                    query_pos=None) -> OscarRotation:  # fmt: skip
         k = np.asarray(k, np.float32)
         n_l, n_n, n_h, n_t, d = k.shape
         if query_cov is None or np.shape(query_cov) != (n_l, n_h, d, d):
             raise ValueError(f"rotation='select' needs query_cov [L, H, D, D] = "
                              f"{(n_l, n_h, d, d)}: got {np.shape(query_cov)}")  # fmt: skip
-        if self.weight == "attention":
+        wts = np.ones((n_l, n_n, n_h, n_t), np.float32)
+        if self.criterion == "attention":
             if key_weight is None or np.shape(key_weight) != (n_l, n_n, n_h, n_t):
-                raise ValueError(f"weight='attention' needs key_weight [L, N, H, T] = "
+                raise ValueError(f"criterion='attention' needs key_weight [L, N, H, T] = "
                                  f"{(n_l, n_n, n_h, n_t)}: got {np.shape(key_weight)}")  # fmt: skip
             wts = np.asarray(key_weight, np.float32)
-        else:
-            wts = np.ones((n_l, n_n, n_h, n_t), np.float32)
+        if self.criterion == "output":
+            qs = np.shape(queries)
+            if (queries is None or len(qs) != 5 or qs[:2] != (n_l, n_n) or qs[4] != d
+                    or qs[2] % n_h or query_pos is None or np.shape(query_pos) != (qs[3],)):  # fmt: skip
+                raise ValueError(f"criterion='output' needs queries [L, N, Hq, S, D] with "
+                                 f"(L, N, D) = {(n_l, n_n, d)} and query_pos [S]: got "
+                                 f"{qs} and {np.shape(query_pos)}")  # fmt: skip
         cands = np.stack([np.broadcast_to(hadamard_matrix(d), (n_h, d, d)),
                           np.broadcast_to(np.eye(d), (n_h, d, d))])  # fmt: skip
         mats = np.zeros((n_l, n_h, d, d))
@@ -174,15 +190,36 @@ class OscarRotation(OscarBias):
             off = None
             if key_offset is not None:
                 off = jnp.swapaxes(jnp.asarray(key_offset[li], jnp.float32), 0, 1)[None]
-            cq = jnp.asarray(query_cov[li], jnp.float32)  # [H, D, D]
-            wl = jnp.asarray(wts[li])  # [N, H, T]
-            errs = []  # per head: the weighted mean over calibration tokens of e^T C_q e
+            errs = []  # per head: the candidate's error under the criterion
             for rot in cands:
                 xh = base.oscar_keys_fake_quant(x, cfg, off, rotation=jnp.asarray(rot, jnp.float32))
+                if self.criterion == "output":
+                    errs.append(np.asarray(_output_error(
+                        jnp.asarray(queries[li], jnp.float32), x, xh,
+                        jnp.asarray(v[li], jnp.float32), jnp.asarray(query_pos))))  # fmt: skip
+                    continue
                 e = xh - x
-                num = jnp.einsum("nhtd,hde,nhte,nht->h", e, cq, e, wl)
+                wl = jnp.asarray(wts[li])  # [N, H, T]
+                num = jnp.einsum("nhtd,hde,nhte,nht->h", e, jnp.asarray(query_cov[li]), e, wl)
                 errs.append(np.asarray(num / jnp.maximum(jnp.sum(wl, axis=(0, 2)), 1e-30)))
             rotated = errs[0] <= errs[1]  # [H]
             mats[li] = np.where(rotated[:, None, None], cands[0], cands[1])
             pick[li] = rotated
         return self.replace(calibration=base.Calibration(rotation=mats, hadamard=pick))
+
+
+def _output_error(q, k, k_hat, v, pos):
+    """[H]: sum over windows, query heads of the group and the sampled queries of
+    ||softmax(q k_hat^T) v - softmax(q k^T) v||^2 (causal: a query at pos[s] sees keys
+    <= pos[s]; scale 1 / sqrt(D)), for q [N, Hq, S, D], k, k_hat, v [N, H, T, D]."""
+    n, hq, s_, d = q.shape
+    h, t = k.shape[1], k.shape[2]
+    qg = q.reshape(n, h, hq // h, s_, d)
+    mask = jnp.arange(t)[None, :] <= pos[:, None]  # [S, T]
+
+    def attend(kk):
+        sc = jnp.einsum("nhgsd,nhtd->nhgst", qg, kk, precision="highest") / np.sqrt(d)
+        p = jax.nn.softmax(jnp.where(mask, sc, -jnp.inf), axis=-1)
+        return jnp.einsum("nhgst,nhtd->nhgsd", p, v, precision="highest")
+
+    return jnp.sum((attend(k_hat) - attend(k)) ** 2, axis=(0, 2, 3, 4))
