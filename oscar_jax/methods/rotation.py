@@ -175,8 +175,8 @@ class OscarRotation(OscarBias):
             wts = np.asarray(key_weight, np.float32)
         if self.criterion == "output":
             qs = np.shape(queries)
-            if (queries is None or len(qs) != 5 or qs[:2] != (n_l, n_n) or qs[4] != d
-                    or qs[2] % n_h or query_pos is None or np.shape(query_pos) != (qs[3],)):  # fmt: skip
+            ok = len(qs) == 5 and qs[:2] == (n_l, n_n) and qs[4] == d and qs[2] % n_h == 0
+            if queries is None or query_pos is None or not ok or np.shape(query_pos) != qs[3:4]:
                 raise ValueError(f"criterion='output' needs queries [L, N, Hq, S, D] with "
                                  f"(L, N, D) = {(n_l, n_n, d)} and query_pos [S]: got "
                                  f"{qs} and {np.shape(query_pos)}")  # fmt: skip
