@@ -36,7 +36,10 @@ QUERY_SAMPLES = 256  # query positions ``layer_kv_stats(queries=True)`` keeps a 
 def query_positions(t: int, n: int = QUERY_SAMPLES) -> np.ndarray:
     """[min(n, t)] int32: evenly spaced query positions of a window of t tokens, the last
     included (later queries see more of the quantized history)."""
-    return np.unique(np.round(np.linspace(0, t - 1, min(n, t))).astype(np.int32))
+    m = min(n, t)
+    if m == 1:
+        return np.array([t - 1], np.int32)
+    return np.unique(np.round(np.linspace(0, t - 1, m)).astype(np.int32))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

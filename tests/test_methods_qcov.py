@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import models
 from models import layers
@@ -276,3 +278,13 @@ def test_calibration_hands_key_weights_only_to_the_attention_weighted_selection(
 @dataclasses.dataclass(frozen=True)
 class _SpyQ(_Spy):
     needs_queries = True
+
+
+@given(t=st.integers(1, 5000), n=st.integers(1, 600))
+@settings(max_examples=60, deadline=None)
+def test_query_positions_spread_over_the_window(t, n):
+    """Sorted, distinct, within the window, the first and last position included, min(n, t)
+    of them."""
+    pos = ecal.query_positions(t, n)
+    assert pos.dtype == np.int32 and len(pos) == min(n, t)
+    assert (np.diff(pos) > 0).all() and pos[-1] == t - 1 and (pos[0] == 0 or n == 1)
