@@ -25,6 +25,7 @@ from models.config import ModelConfig
 from models.model import CausalLM
 from oscar_eval.common import Method, make_windows
 from oscar_eval.fisher import layer_grads
+from oscar_eval.ppl import window_nll
 from oscar_jax import methods as oscar_methods
 
 CALIBRATION_WINDOWS = 2  # windows of the evaluation's ctx, after the scored ones
@@ -182,11 +183,21 @@ def calibrate(m: CausalLM, methods: list[Method], windows) -> list[Method]:
             if not mt.kv.needs_query_samples:
                 extra.pop("queries", None)
                 extra.pop("query_pos", None)
+            if mt.kv.needs_loss:
+                extra["loss"] = functools.partial(calibration_nll, m, windows)
             if mt.kv.needs_grads:
                 extra["grads"] = grads
             mt = Method(mt.name, mt.kv.fit(k, v, (np.asarray(cos), np.asarray(sin)), o, **extra))
         out.append(mt)
     return out
+
+
+def calibration_nll(m: CausalLM, windows, kv) -> float:
+    """Mean NLL of the model with the (calibrated) method ``kv`` over the calibration
+    ``windows``, every position scored, cache-exact (``oscar_eval.ppl.window_nll``): the
+    loss a method with ``needs_loss`` compares its candidates by."""
+    nll, _ = window_nll(m, windows, kv, batch=len(windows))
+    return float(np.mean(nll))
 
 
 def calibrate_heldout(

@@ -261,11 +261,19 @@ def test_calibration_hands_key_weights_only_to_the_attention_weighted_selection(
     from oscar_eval.common import Method
 
     mts = ecal.calibrate(m, [Method("spy", _SpyQ()), parse_method("oscars2_attn1", 16, 16),
-                             parse_method("oscars2", 16, 16), parse_method("oscars2_out1", 16, 16)],
-                         cal)  # fmt: skip
+                             parse_method("oscars2", 16, 16), parse_method("oscars2_out1", 16, 16),
+                             parse_method("oscars2_nll1", 16, 16)], cal)  # fmt: skip
     assert mts[0].kv.seen == ("output_cov", "query_cov")
     for mt in mts[1:]:
         assert mt.kv.calibration.arrays["hadamard"].shape == (2, 2)
+    # nll1: the four candidates' calibration NLLs, the chosen one the smallest of them
+    losses = dict(x.split()[:2] for x in mts[4].kv.chosen.replace(" *", "").split(", "))
+    assert set(losses) == {"all", "none", "score", "output"}
+    assert mts[4].kv.chosen.count("*") == 1
+    star = mts[4].kv.chosen.split(" *")[0].split(", ")[-1].split()[0]
+    assert float(losses[star]) == min(map(float, losses.values()))
+    best = ecal.calibration_nll(m, cal, mts[4].kv)
+    assert np.isclose(best, float(losses[star]), atol=1e-4)
     k, v, cq, co, kw, qs = ecal.layer_kv_stats(m, cal, attention=True, queries=True)
     assert kw.shape == (2, 2, 2, 64) and np.isfinite(kw).all()
     np.testing.assert_array_equal(ecal.query_positions(64), np.arange(64))

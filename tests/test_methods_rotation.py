@@ -182,3 +182,42 @@ def test_select_by_output_error_picks_the_candidate_whose_attention_output_is_cl
         cfg.fit(k, v, None, query_cov=cq)
     with pytest.raises(ValueError, match="queries"):
         cfg.fit(k, v, None, query_cov=cq, queries=q, query_pos=pos[:2])
+
+
+def test_select_by_calibration_nll_keeps_the_whole_model_candidate_with_the_smallest_loss():
+    """oscars2_nll1: the candidates are every head rotated, none, and the score and output
+    selections; the fitted config is the one the loss ranks first, and the note lists all
+    four losses."""
+    d, t, hq = 32, 128, 4
+    kk = jax.random.normal(jax.random.PRNGKey(2), (2, 2, 2, t, d))  # [L, N, H, T, D]
+    k = kk.at[..., 0].add(3.0 * jnp.sin(jnp.arange(t) * 1.0))
+    v = jax.random.normal(jax.random.PRNGKey(3), k.shape)
+    q = np.random.default_rng(1).standard_normal((2, 2, hq, 16, d)).astype(np.float32)
+    pos = np.arange(t - 16, t, dtype=np.int32)
+    ignore = np.eye(d)
+    ignore[0, 0] = 0.0
+    cq = np.stack([np.stack([ignore, np.eye(d)])] * 2)  # [L, H, D, D]
+    cfg = M.parse_name("oscars2_nll1")
+    assert cfg.needs_loss and cfg.needs_query_samples and cfg.needs_queries
+    seen = []
+
+    def loss(c):  # prefers the config that rotates the fewest heads, then records it
+        seen.append(c.calibration.arrays["hadamard"].copy())
+        return float(c.calibration.arrays["hadamard"].sum())
+
+    got = cfg.fit(k, v, None, query_cov=cq, queries=q, query_pos=pos, loss=loss)
+    assert len(seen) == 4
+    np.testing.assert_array_equal(seen[0], np.ones((2, 2)))  # "all" first, then "none"
+    np.testing.assert_array_equal(got.calibration.arrays["hadamard"], np.zeros((2, 2)))
+    np.testing.assert_allclose(
+        got.calibration.arrays["rotation"], np.broadcast_to(np.eye(d), (2, 2, d, d))
+    )
+    note = got.calibration_note()
+    assert "none 0.0000 *" in note and "all 4.0000" in note and "score" in note and "output" in note
+    inverse = cfg.fit(k, v, None, query_cov=cq, queries=q, query_pos=pos,
+                      loss=lambda c: -float(c.calibration.arrays["hadamard"].sum()))  # fmt: skip
+    np.testing.assert_array_equal(inverse.calibration.arrays["hadamard"], np.ones((2, 2)))
+    with pytest.raises(ValueError, match="loss"):
+        cfg.fit(k, v, None, query_cov=cq, queries=q, query_pos=pos)
+    with pytest.raises(ValueError, match="exclude"):
+        M.parse_name("oscars2_out1_nll1")

@@ -86,7 +86,7 @@ _NAME = re.compile(
 _OWN_HELP = {"kivi": ", sink<S>", "ott": ", n<N>", "oscard": ", p<P>, t<TNI>",
              "kvquant": ", ko<N>, vo<N>, uni1, post1, fisher1",
              "oscarbo": ", ko<N>, vo<N>, nuq1", "qcov": ", sink<S>, c<C>, u0, b1",
-             "oscars": ", attn1, out1"}  # fmt: skip
+             "oscars": ", attn1, out1, nll1"}  # fmt: skip
 
 
 def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> MethodConfig | None:
@@ -127,10 +127,11 @@ def parse_name(name: str, residual_length: int = 128, group_size: int = 32) -> M
     if fam == "oscars":  # the selection's criterion (default: the score error)
         if sufs.pop("attn", 0):  # keys' errors weighted by their attention
             kw["criterion"] = "attention"
-        if sufs.pop("out", 0):  # the attention output's measured error
-            if "criterion" in kw:
-                raise ValueError(f"method={name!r}: attn1 and out1 exclude each other")
-            kw["criterion"] = "output"
+        for suf, crit in (("out", "output"), ("nll", "nll")):
+            if sufs.pop(suf, 0):  # the attention output's error; the calibration NLL
+                if "criterion" in kw:
+                    raise ValueError(f"method={name!r}: attn1, out1 and nll1 exclude each other")
+                kw["criterion"] = crit
     if fam == "oscarbo" and "nuq" in sufs:  # fitted (k-means) levels
         kw["fitted_levels"] = bool(sufs.pop("nuq"))
     if fam == "oscard" and "t" in sufs:  # TNI threshold (median over smallest key norm)

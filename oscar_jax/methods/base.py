@@ -96,6 +96,7 @@ class MethodConfig:
     needs_grads = False  # True: ``fit`` also wants grads, the calibration loss's (calibrate)
     needs_attention = False  # True: ``fit`` also wants key_weight (calibrate)
     needs_query_samples = False  # True: ``fit`` also wants queries, query_pos (calibrate)
+    needs_loss = False  # True: ``fit`` also wants loss, config -> calibration NLL (calibrate)
 
     def __post_init__(self):
         _int("bits", self.bits, 1)

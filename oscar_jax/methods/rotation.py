@@ -21,6 +21,8 @@ group's queries of p^2): a score error delta_t moves the output by about p_t del
 those keys. ``criterion="output"`` (``oscars<b>_out1``) measures instead what each
 candidate does to the attention output: ||softmax(q k_hat^T) v - softmax(q k^T) v||^2 summed
 over sampled calibration queries (``queries`` at ``query_pos``) and the group's heads.
+``criterion="nll"`` (``oscars<b>_nll1``) takes, of every head rotated, none, and the two
+selections above, the one with the smallest NLL of the model on the calibration windows.
 
 Then OScaR as ``oscarb``: per-token norm of the rotated key, per-channel INT-b over G
 tokens, values as OScaR's. Bytes per token: OScaR's (50 at D = 64); the matrices are
@@ -42,7 +44,7 @@ from oscar_jax.methods import base
 from oscar_jax.methods.bias_offset import OscarBias
 
 ROTATIONS = ("pca_hadamard", "random_orthogonal", "select")
-CRITERIA = ("score", "attention", "output")  # how ``select`` compares its candidates
+CRITERIA = ("score", "attention", "output", "nll")  # how ``select`` compares its candidates
 
 
 def hadamard_matrix(d: int) -> np.ndarray:
@@ -78,6 +80,7 @@ class OscarRotation(OscarBias):
     rotation: str = "pca_hadamard"
     seed: int = 0
     criterion: str = "score"
+    chosen: str = ""  # criterion "nll": the losses of its candidates (calibration_note)
 
     needs_calibration = True
 
@@ -102,7 +105,11 @@ class OscarRotation(OscarBias):
 
     @property
     def needs_query_samples(self) -> bool:  # type: ignore[override]
-        return self.criterion == "output"
+        return self.criterion in ("output", "nll")
+
+    @property
+    def needs_loss(self) -> bool:  # type: ignore[override]
+        return self.criterion == "nll"
 
     def fake_quant_kv(
         self,
@@ -125,14 +132,17 @@ class OscarRotation(OscarBias):
         return kh, base.values_fake_quant(v, cfg)
 
     def fit(self, k, v, rope, key_offset=None, query_cov=None, output_cov=None,
-            key_weight=None, queries=None, query_pos=None) -> OscarRotation:  # fmt: skip
+            key_weight=None, queries=None, query_pos=None, loss=None) -> OscarRotation:  # fmt: skip
         """``rotation`` [L, H, D, D] from the calibration keys [L, N, H, T, D] minus the
         k bias's RoPE'd part [L, T, H, D] (when given); ``select`` also wants the queries'
         second moments ``query_cov`` [L, H, D, D] (criterion "attention": the keys'
         ``key_weight`` [L, N, H, T]; "output": ``queries`` [L, N, Hq, S, D] at positions
-        ``query_pos`` [S] and the values v) and records its choice as ``hadamard`` [L, H]
+        ``query_pos`` [S] and the values v; "nll": those and ``loss``, a calibrated config
+        -> its NLL on the calibration windows) and records its choice as ``hadamard`` [L, H]
         (1: rotated, 0: not)."""
         del output_cov
+        if self.criterion == "nll":
+            return self._fit_nll(k, v, key_offset, query_cov, queries, query_pos, loss)
         if self.rotation == "select":
             return self._fit_select(k, v, key_offset, query_cov, key_weight, queries, query_pos)
         k = np.asarray(k, np.float64)
@@ -156,7 +166,8 @@ class OscarRotation(OscarBias):
         pick = self.calibration.arrays["hadamard"]  # [L, H]
         per = " ".join("".join("H" if x else "-" for x in row) for row in pick)
         how = {"score": "", "attention": " (key errors weighted by attention)",
-               "output": " (by the attention output's error)"}[self.criterion]  # fmt: skip
+               "output": " (by the attention output's error)",
+               "nll": f" (by the calibration NLL: {self.chosen})"}[self.criterion]  # fmt: skip
         return (f"Hadamard kept in {int(pick.sum())} of {pick.size} (layer, KV head) "
                 f"pairs{how}; per layer (H rotated, - not): {per}")  # fmt: skip
 
@@ -206,6 +217,32 @@ class OscarRotation(OscarBias):
             mats[li] = np.where(rotated[:, None, None], cands[0], cands[1])
             pick[li] = rotated
         return self.replace(calibration=base.Calibration(rotation=mats, hadamard=pick))
+
+    def _fit_nll(self, k, v, key_offset, query_cov, queries, query_pos, loss) -> OscarRotation:
+        """Criterion "nll": of whole-model candidates -- every head rotated (E), none
+        (``ots_only`` on k - RoPE_t(b_k)), the "score" and the "output" selections -- the
+        one whose calibrated config has the smallest ``loss`` (the calibration windows'
+        NLL): per-head choices that are each right alone can lose to rotating every head
+        (errors add up across layers), which only the model's own loss shows."""
+        if not callable(loss):
+            raise ValueError(f"criterion='nll' needs loss, a callable config -> calibration "
+                             f"NLL: got {type(loss).__name__}")  # fmt: skip
+        n_l, _, n_h, _, d = np.shape(k)
+        picks = {"all": np.ones((n_l, n_h)), "none": np.zeros((n_l, n_h))}
+        for crit in ("score", "output"):
+            fitted = self.replace(criterion=crit)._fit_select(
+                k, v, key_offset, query_cov, None, queries, query_pos)  # fmt: skip
+            picks[crit] = fitted.calibration.arrays["hadamard"]
+        had, eye = hadamard_matrix(d), np.eye(d)
+        losses, cands = {}, {}
+        for name, pick in picks.items():
+            mats = np.where(pick[:, :, None, None] > 0, had, eye)
+            cands[name] = self.replace(
+                calibration=base.Calibration(rotation=mats, hadamard=pick))  # fmt: skip
+            losses[name] = float(loss(cands[name]))
+        best = min(losses, key=losses.get)
+        chosen = ", ".join(f"{n} {x:.4f}" + (" *" if n == best else "") for n, x in losses.items())
+        return cands[best].replace(chosen=chosen)
 
 
 def _output_error(q, k, k_hat, v, pos):
