@@ -52,15 +52,15 @@ def _layer_kv_jit(mc: ModelConfig, params, ids, extras: tuple = ()):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     qpos = jnp.asarray(query_positions(t))
 
-    def step(x, lp):
+    def step(x, lp, local=False):
         seen = {}
 
         def attend(q, k, v):
-            o = layers.causal_attention(q, k, v)
+            o = layers.causal_attention(q, k, v, window=mc.sliding_window if local else None)
             seen["q"], seen["k"], seen["o"] = q, k, o
             return o
 
-        x, (k, v) = layers.block(mc, lp, x, positions, attend)
+        x, (k, v) = layers.block(mc, lp, x, positions, attend, local=local)
         out = (k.astype(jnp.float32), v.astype(jnp.float32))
         if "moments" in extras:
             out += tuple(_group_second_moment(seen[n], mc.num_kv_heads) for n in "qo")
@@ -70,7 +70,15 @@ def _layer_kv_jit(mc: ModelConfig, params, ids, extras: tuple = ()):
             out += (jnp.swapaxes(seen["q"][:, qpos].astype(jnp.float32), 1, 2),)
         return x, out
 
-    _, outs = jax.lax.scan(step, layers.embed(params, ids, mc), params["layers"])
+    x0 = layers.embed(params, ids, mc)
+    if mc.local_layers:  # Gemma 3: sliding-window layers attend over their window (their
+        # statistics are taken as for the others; a KV preset acts on the global layers only)
+        kinds = jnp.asarray([mc.is_local(i) for i in range(mc.num_layers)])
+        _, outs = jax.lax.scan(
+            lambda x, a: jax.lax.cond(a[1], functools.partial(step, local=True), step, x, a[0]),
+            x0, (params["layers"], kinds))  # fmt: skip
+    else:
+        _, outs = jax.lax.scan(step, x0, params["layers"])
     kv = tuple(jnp.swapaxes(a, 2, 3) for a in outs[:2])  # [L, N, H, T, D]
     return kv + tuple(outs[2:])
 
@@ -110,15 +118,14 @@ def _group_second_moment(x, num_kv_heads: int):
 
 
 def _layer_outputs(m: CausalLM, windows, extras: tuple = ()) -> tuple[np.ndarray, ...]:
-    if m.config.local_layers:
-        raise ValueError("calibration does not handle sliding-window layers (Gemma 3)")
     out = _layer_kv_jit(m.config, m.params(), jnp.asarray(m.check_ids(windows)), extras)
     return tuple(np.asarray(a) for a in out)
 
 
 def layer_kv(m: CausalLM, windows) -> tuple[np.ndarray, np.ndarray]:
     """Keys (post-RoPE) and values [L, N, Hkv, T, D] float32 of every layer, at full
-    precision, over the windows [N, T]. Models with sliding-window layers are refused."""
+    precision, over the windows [N, T] (Gemma 3's sliding-window layers attend over their
+    window, as the model does)."""
     return _layer_outputs(m, windows)
 
 

@@ -296,3 +296,29 @@ def test_query_positions_spread_over_the_window(t, n):
     pos = ecal.query_positions(t, n)
     assert pos.dtype == np.int32 and len(pos) == min(n, t)
     assert (np.diff(pos) > 0).all() and pos[-1] == t - 1 and (pos[0] == 0 or n == 1)
+
+
+def test_calibration_runs_gemma3_sliding_window_layers_as_the_model_does():
+    """Gemma 3's local layers attend over their window in the calibration pass: every
+    layer's key norms equal the evaluation's full-precision forward (``keep_norms``), which
+    would differ from the second layer on if a local layer saw the whole prompt; and the
+    whole-model selection fits on such a model."""
+    mc = models.gemma3_270m().replace(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=32, query_pre_attn_scalar=24.0, sliding_window=8,
+        local_layers=(0, 2), max_position_embeddings=512,
+    )  # fmt: skip
+    m = models.CausalLM(mc, rngs=nnx.Rngs(1))
+    cal = np.random.default_rng(6).integers(1, 256, (2, 64))
+    k, _ = ecal.layer_kv(m, cal)  # [L, N, H, T, D]
+    import oscar_jax as oj
+    from oscar_eval import ppl as eval_ppl
+
+    _, norms = eval_ppl.forward_cached(mc, m.params(), jnp.asarray(cal), oj.preset("bf16"),
+                                       keep_norms=True, cache_dtype="float32")  # fmt: skip
+    want = np.swapaxes(np.asarray(norms), 2, 3)  # [L, B, T, H] -> [L, B, H, T]
+    # float32 on both sides: ~1e-7 of the largest norm; a full-prompt local layer: ~3e-5
+    np.testing.assert_allclose(np.linalg.norm(k, axis=-1), want, rtol=0,
+                               atol=2e-6 * np.abs(want).max())  # fmt: skip
+    mt = ecal.calibrate(m, [parse_method("oscars2_nll1", 16, 16)], cal)[0]
+    assert mt.kv.calibration.arrays["hadamard"].shape == (4, 2) and "*" in mt.kv.chosen
