@@ -9,7 +9,8 @@ rotated channel has the same second moment ``tr(C) / D`` (exactly, for any ``C``
 Haar-random orthogonal matrix per layer and head, the control. Hadamard itself is
 ``oscarb`` (``oscar`` without a k bias). ``select`` (``oscars``): per layer and KV head
 either the Hadamard matrix or no rotation (the identity: OScaR's per-token norm on KIVI's
-channels, ``ots_only`` on ``k - RoPE_t(b_k)``), whichever gives the smaller query-weighted
+channels, ``ots_only``'s keys on ``k - RoPE_t(b_k)``; the values stay OScaR's, rotated),
+whichever gives the smaller query-weighted
 key error ``E[e^T C_q e]`` (``C_q`` the second moment of the head's queries, so the
 expected squared score error) on the calibration windows: a rotation spreads the key error
 evenly over the channels, which on a model whose queries avoid the channels with the
@@ -220,7 +221,7 @@ class OscarRotation(OscarBias):
 
     def _fit_nll(self, k, v, key_offset, query_cov, queries, query_pos, loss) -> OscarRotation:
         """Criterion "nll": of whole-model candidates -- every head rotated (E), none
-        (``ots_only`` on k - RoPE_t(b_k)), the "score" and the "output" selections -- the
+        (``ots_only``'s keys on k - RoPE_t(b_k), OScaR's rotated values), the "score" and the "output" selections -- the
         one whose calibrated config has the smallest ``loss`` (the calibration windows'
         NLL): per-head choices that are each right alone can lose to rotating every head
         (errors add up across layers), which only the model's own loss shows."""
