@@ -10,9 +10,9 @@ Haar-random orthogonal matrix per layer and head, the control. Hadamard itself i
 ``oscarb`` (``oscar`` without a k bias). ``select`` (``oscars``): per layer and KV head
 either the Hadamard matrix or no rotation (the identity: OScaR's per-token norm on KIVI's
 channels, ``ots_only``'s keys on ``k - RoPE_t(b_k)``; the values stay OScaR's, rotated),
-whichever gives the smaller query-weighted
-key error ``E[e^T C_q e]`` (``C_q`` the second moment of the head's queries, so the
-expected squared score error) on the calibration windows: a rotation spreads the key error
+whichever gives the smaller query-weighted key error ``E[e^T C_q e]`` (``C_q`` the second
+moment of the head's queries, so the expected squared score error) on the calibration
+windows: a rotation spreads the key error
 evenly over the channels, which on a model whose queries avoid the channels with the
 widest key groups (Qwen2.5, ACCURACY.md) costs more score error than it saves. With
 ``criterion="attention"`` (``oscars<b>_attn1``) each key's error counts in proportion to the
@@ -221,10 +221,11 @@ class OscarRotation(OscarBias):
 
     def _fit_nll(self, k, v, key_offset, query_cov, queries, query_pos, loss) -> OscarRotation:
         """Criterion "nll": of whole-model candidates -- every head rotated (E), none
-        (``ots_only``'s keys on k - RoPE_t(b_k), OScaR's rotated values), the "score" and the "output" selections -- the
-        one whose calibrated config has the smallest ``loss`` (the calibration windows'
-        NLL): per-head choices that are each right alone can lose to rotating every head
-        (errors add up across layers), which only the model's own loss shows."""
+        (``ots_only``'s keys on k - RoPE_t(b_k), OScaR's rotated values), the "score" and
+        the "output" selections -- the one whose calibrated config has the smallest
+        ``loss`` (the calibration windows' NLL): per-head choices that are each right alone
+        can lose to rotating every head (errors add up across layers), which only the
+        model's own loss shows."""
         if not callable(loss):
             raise ValueError(f"criterion='nll' needs loss, a callable config -> calibration "
                              f"NLL: got {type(loss).__name__}")  # fmt: skip

@@ -12,11 +12,12 @@ memory (C fragment -> ``movmatrix`` transpose -> B fragment):
 K's A fragments are the wgmma kernel's (a [64, D] wgmma A fragment is four stacked
 m16n8k16 A fragments, one a warp). V^T's are gathered across threads of the record: thread
 (w, l) needs channel 16 mt + l // 4 (+ 8), tokens 16 w + 2 (l % 4) (+ 1, + 8), which the
-record keeps in the words of thread (mt % 4, l) (``value_source``): one 16-byte load a
-(owner, 64-channel block), the word picked by w // 2 and shifted by 8 (w % 2) bits, then the
-usual in-place unpack. The carry is per thread (m, l of its two heads, O^T's D / 4 f32);
-the 4 warps' partials are merged once at the end through shared memory. GQA g <= 8 (N = 8),
-INT2 and INT4 records; the query comes pre-permuted into B-fragment words (``query_fragments``).
+record keeps in the words of thread (mt % 4, l) (``value_source``): at INT2 one 16-byte load
+a (owner, 64-channel block), the word picked by w // 2 and shifted by 8 (w % 2) bits; at INT4
+one 4-byte load of the owner's word 4 mt + w; then the usual in-place unpack. The carry is
+per thread (m, l of its two heads, O^T's D / 4 f32); the 4 warps' partials are merged once
+at the end through shared memory. GQA g <= 8 (N = 8), INT2 and INT4 records; the query
+comes pre-permuted into B-fragment words (``query_fragments``).
 """
 
 from __future__ import annotations
