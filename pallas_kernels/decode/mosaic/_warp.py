@@ -373,7 +373,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
 
     fn = plgpu.kernel(
         kernel,
-        kernel_name="oscar_decode_int2_warp_partials",
+        kernel_name=f"oscar_decode_int{bits}_warp_partials",  # its name in profiles and ncu -k
         out_type=(
             jax.ShapeDtypeStruct((b, h, s, nmt, TILE, NPAD), f32),
             jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
