@@ -128,7 +128,8 @@ def precompile(c: Ctx, tasks) -> None:
         c.prompts = _niah_prompts(m, s, c.model_dir)
         gs = eval_niah.groups(c.prompts, c.niah_group)
         cd = s.cache_dtype
-        for mt in c.methods:
+        done = _niah_done(c)
+        for mt in [mt for mt in c.methods if mt.name not in done]:
             for i, g in enumerate(gs):
                 if eval_niah.decodes(mt.kv):  # fake-quant methods: teacher-forced only
                     gen = eval_niah.generate_program(m, g, mt.kv, s.niah_batch,
@@ -223,17 +224,36 @@ def _niah_prompts(m: CausalLM, s: Settings, model_dir: str) -> list[dict]:
                                    s.niah_seed, answer_encode=ans)  # fmt: skip
 
 
+def _niah_grid(c: Ctx) -> dict:
+    """What a needle result depends on besides its method: results of another grid are
+    not reused."""
+    s = c.s
+    chat_on = chat.use_chat(s.niah_chat, chat.chat_template(c.model_dir))
+    return {"lengths": list(s.niah_lengths), "depths": list(s.niah_depths),
+            "trials": s.niah_trials, "seed": s.niah_seed, "new_tokens": s.niah_new_tokens,
+            "cache_dtype": s.cache_dtype, "R": s.residual_length, "G": s.group_size,
+            "chat": chat_on}  # fmt: skip
+
+
+def _niah_done(c: Ctx) -> set[str]:
+    """Methods whose needle results an earlier run of the same grid left in results.json
+    (a summary row and per-prompt log-likelihoods): a rerun of the command skips them,
+    as the perplexity task skips methods with saved NLLs."""
+    old = c.res.get("niah")
+    if not old or old.get("grid") != _niah_grid(c):
+        return set()
+    rows = {r["method"] for r in old.get("summary", [])}
+    return rows & set(old.get("ll", {}))
+
+
 def task_niah(c: Ctx) -> None:
     s, m = c.s, c.m
     prompts = c.prompts or _niah_prompts(m, s, c.model_dir)
     dec = decoder(m.tokenizer, set(m.config.eos_token_ids))
-    chat_on = chat.use_chat(s.niah_chat, chat.chat_template(c.model_dir))
-    grid = {"lengths": list(s.niah_lengths), "depths": list(s.niah_depths),
-            "trials": s.niah_trials, "seed": s.niah_seed, "new_tokens": s.niah_new_tokens,
-            "cache_dtype": s.cache_dtype, "R": s.residual_length, "G": s.group_size,
-            "chat": chat_on}  # fmt: skip
+    grid = _niah_grid(c)
     old = c.res.get("niah")
     old = old if old and old.get("grid") == grid else {"summary": [], "cells": [], "ll": {}}
+    done = _niah_done(c)
     nz = {"summary": list(old["summary"]), "cells": list(old["cells"]), "plot": None,
           "ll": dict(old.get("ll", {})), "first_tokens": [int(i) for i in prompts[0]["ids"][:4]],
           "grid": grid, "prompt_tokens": {str(n): int(np.mean([len(p["ids"]) for p in prompts
@@ -254,6 +274,9 @@ def task_niah(c: Ctx) -> None:
         c.res["niah"] = nz
 
     for mt in c.methods:
+        if mt.name in done:
+            c.log(f"niah {mt.name}: in {c.out_dir}/results.json from an earlier run (same grid)")
+            continue
         gens = ngroups if eval_niah.decodes(mt.kv) else 0  # fake-quant: teacher-forced only
         keys = [(kind, mt.name, i) for kind, n in (("gen", gens), ("ll", ngroups))
                 for i in range(n)]  # fmt: skip

@@ -179,8 +179,9 @@ def test_eval_without_matplotlib_then_over_budget(tiny_dir, tmp_path, monkeypatc
     assert np.asarray(saved["tni"]["norm_profile"]).shape[0] == m.config.num_layers
     assert len(saved["niah"]["cells"]) == 2 * 2 and saved["skipped"] == []
     assert saved["runs"][-1]["compile"]["programs"] >= 1
-    res2 = ev.run_eval(m, held, str(out), _small(tasks="ppl,niah", time_budget_s=1e-9),
-                       model_dir=tiny_dir)  # fmt: skip
+    # another needle grid (the saved one would be reused, not re-run)
+    s2 = _small(tasks="ppl,niah", time_budget_s=1e-9, niah_depths=(50,))
+    res2 = ev.run_eval(m, held, str(out), s2, model_dir=tiny_dir)
     units = [(u["task"], u["unit"]) for u in res2["skipped"]]
     assert units == [("ppl", "bf16"), ("ppl", "oscar2"), ("niah", "bf16"), ("niah", "oscar2")]
     saved2 = json.loads((out / "results.json").read_text())
@@ -355,3 +356,39 @@ def test_fewer_windows_than_asked_are_noted(tiny_dir, tmp_path, capsys):
     note = f"holds {n} windows of 256 tokens: perplexity is scored on those, not the 50"
     assert any(note in x for x in res["notes"])
     assert note in capsys.readouterr().err
+
+
+def test_interrupted_niah_resumes_without_rerunning_finished_methods(tiny_dir, tmp_path,
+                                                                      monkeypatch):  # fmt: skip
+    """A needle run stopped in its second method keeps the first; the same command again
+    runs only the missing method (the first is not decoded again) and pairs it with the
+    saved bf16; another grid reuses nothing."""
+    from oscar_eval import niah as eval_niah
+
+    m = models.from_pretrained(tiny_dir)
+    held = np.load(os.path.join(tiny_dir, "heldout_sample.npy"))
+    real, ran, stop = eval_niah.niah_method, [], [True]
+
+    def stop_at_oscar2(m_, mt, *a, **k):
+        ran.append(mt.name)
+        if mt.name == "oscar2" and stop:
+            stop.clear()  # only the first oscar2 run is interrupted
+            raise KeyboardInterrupt
+        return real(m_, mt, *a, **k)
+
+    monkeypatch.setattr(eval_niah, "niah_method", stop_at_oscar2)
+    out = tmp_path / "n"
+    s = _small(tasks="niah")
+    with pytest.raises(KeyboardInterrupt):
+        ev.run_eval(m, held, str(out), s, model_dir=tiny_dir)
+    first = json.loads((out / "results.json").read_text())["niah"]
+    assert [r["method"] for r in first["summary"]] == ["bf16"]
+    res = ev.run_eval(m, held, str(out), s, model_dir=tiny_dir)
+    assert ran == ["bf16", "oscar2", "oscar2"]  # bf16 once
+    nz = res["niah"]
+    assert [r["method"] for r in nz["summary"]] == ["bf16", "oscar2"]
+    assert nz["ll"]["bf16"] == first["ll"]["bf16"]
+    assert "ll_delta" in nz["summary"][1]
+    ran.clear()
+    ev.run_eval(m, held, str(out), dataclasses.replace(s, niah_depths=(50,)), model_dir=tiny_dir)
+    assert ran == ["bf16", "oscar2"]  # a new grid: everything again
