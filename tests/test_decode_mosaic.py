@@ -388,8 +388,9 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
     (128, 1, 128, "bfloat16", 2), (128, 4, 128, "float16", 4), (256, 3, 64, "bfloat16", 4),
     (64, 8, 256, "bfloat16", 4),
 ])  # fmt: skip
-def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits):
-    cfg = mk.Int2DecodeConfig(block_tokens=block, kernel="warp")
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, prefetch):
+    cfg = mk.Int2DecodeConfig(block_tokens=block, kernel="warp", prefetch=prefetch)
     s = jax.ShapeDtypeStruct
     b, h, lq = 2, 2, 1024
     q = s((b, h, g, d), jnp.float32)
@@ -527,9 +528,11 @@ class TestMosaicGPU:
             ([1100, 2047], 8, "bfloat16", dict(bits=4, d=256, block_tokens=64)),
         ],
     )
-    def test_warp_kernel_matches_xla(self, lengths, g, param_dtype, knobs):
-        """The warp-level kernel (mma.sync, each warp its own tokens of every record)."""
-        self._check(lengths, g, param_dtype, dict(knobs, kernel="warp"))
+    @pytest.mark.parametrize("prefetch", [False, True])
+    def test_warp_kernel_matches_xla(self, lengths, g, param_dtype, knobs, prefetch):
+        """The warp-level kernel (mma.sync, each warp its own tokens of every record), with
+        and without the hand-issued loads a record ahead."""
+        self._check(lengths, g, param_dtype, dict(knobs, kernel="warp", prefetch=prefetch))
 
     def _check(self, lengths, g, param_dtype, knobs):
         knobs = dict(knobs)

@@ -54,6 +54,9 @@ class Int2DecodeConfig:
     kernel: "wgmma" (one warpgroup walks 64-token tiles with wgmma; ``_kernel``) or "warp"
       (each warp walks its own 16 tokens of every record with mma.sync, no cross-warp step;
       INT2, g <= 8, stage "full" only; ``_warp``).
+    prefetch: (warp kernel) issue record r + 1's shared-memory loads before record r's
+      arithmetic, by hand: the kernel stalls mostly on shared-memory round trips, and ptxas
+      does not hoist them on its own.
     """
 
     block_tokens: int = 256
@@ -69,6 +72,7 @@ class Int2DecodeConfig:
     merge_step: int = 8
     reduction_scratch: int = 2048
     kernel: str = "wgmma"
+    prefetch: bool = False
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:

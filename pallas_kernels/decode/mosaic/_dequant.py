@@ -167,7 +167,11 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
     def key_frag(ctx, rec_ref, row, half=None):
         """K tile (tokens x channels) of record ``row`` of ``rec_ref`` [n, W/64, 64] uint32:
         [64, d], or with ``half`` its channels 64 half.. 64 half + 63 (fewer live registers)."""
-        shifted.clear()
+        return key_unpack(key_loads(rec_ref, row, half), half)
+
+    def key_loads(rec_ref, row, half=None):
+        """The shared-memory loads of ``key_frag`` alone: (code words, {cb: scale pair word},
+        {cb: zero pair word}), so that a kernel can issue them a record ahead."""
         tid, w, j = tids()
         cw = code_words(rec_ref, row, _kc, tid, nwords)
         g = arith.divui(w, c32(2))
@@ -182,6 +186,13 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
                 sw[4 * k + n] = x
             for n, x in enumerate(words(load4(rec_ref, row, arith.addi(zbase, c32(4 * k))))):
                 zw[4 * k + n] = x
+        return cw, sw, zw
+
+    def key_unpack(loads, half=None):
+        """``key_loads``' words -> the K fragment (``key_frag``)."""
+        shifted.clear()
+        cw, sw, zw = loads
+        cbs = range(d // 8) if half is None else range(8 * half, 8 * half + 8)
         layout = fa.WGMMA_LAYOUT
         width = d if half is None else 64
         regs = np.empty(layout.registers_shape((TILE, width)), dtype=object)

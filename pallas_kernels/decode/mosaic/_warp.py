@@ -63,7 +63,7 @@ def query_fragments(qt):
     return x.reshape(b, h, 32, d // 8)
 
 
-def _warp_fns(pdt, d: int, nsub: int, bits: int = 2):
+def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, prefetch: bool = False):
     """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
     block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
     into the CTA's partials in shared memory)."""
@@ -129,8 +129,9 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2):
         return mgpu.FragmentedArray(_registers=regs, _layout=fa.WGStridedFragLayout((n,), 1),
                                     _is_signed=signed)  # fmt: skip
 
-    def value_regs(rec_ref, row, w, j, lane):
-        """{(mt16, rh, kh): i32 pair} of V^T A registers of this thread (``value_source``)."""
+    def value_loads(rec_ref, row, w, j, lane):
+        """The shared-memory loads of ``value_regs`` alone (issued a record ahead when the
+        kernel prefetches): (parameter pair words {(grp, sz): [kh 0, kh 1]}, code words)."""
         pbase = arith.addi(
             arith.addi(arith.muli(arith.divui(w, c32(2)), c32(d)), arith.muli(j, c32(4))),
             arith.muli(arith.remui(w, c32(2)), c32(2)),
@@ -140,36 +141,46 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2):
             for sz in range(2):
                 at = arith.addi(pbase, c32(vp + d // 2 * sz + 16 * grp))
                 par[grp, sz] = words(load4(rec_ref, row, at, 2))  # [kh 0, kh 1]
-        out = {}
-        if bits == 4:
-            # the owner's word f = 4 mt + w (``value_source``): group f // u = mt, word w of
-            # it; one 4-byte load (the warp's lanes 4 words apart: 4 wavefronts, as a
-            # 16-byte load, without the selects), planes 2 kh + rh
-            for mt16 in range(nmt16):
-                mt, wo = divmod(mt16, 4)
-                owner = arith.addi(lane, c32(32 * wo))
+        codes = {}
+        for mt16 in range(nmt16):
+            mt, wo = divmod(mt16, 4)
+            owner = arith.addi(lane, c32(32 * wo))
+            if bits == 4:
+                # the owner's word f = 4 mt + w (``value_source``): group f // u = mt, word w
+                # of it; one 4-byte load (the warp's lanes 4 words apart: 4 wavefronts, as a
+                # 16-byte load, without the selects)
                 at = arith.addi(arith.addi(c32(vc + 128 * u * mt), arith.muli(owner, c32(u))), w)
-                (x,) = words(load4(rec_ref, row, at, 1))
+                (codes[mt16],) = words(load4(rec_ref, row, at, 1))
+                continue
+            # INT2: the owner's word is 2 mt + w // 2: one 16-byte load a (owner warp,
+            # 64-channel block pair)
+            grp_load = 2 * mt // u
+            if (wo, grp_load) not in codes:
+                at = arith.addi(c32(vc + code_word(u * grp_load, 0, u)), arith.muli(owner, c32(u)))
+                codes[wo, grp_load] = words(load4(rec_ref, row, at, u))
+        return par, codes
+
+    def value_unpack(loads, w):
+        """``value_loads``' words -> {(mt16, rh, kh): i32 pair} of V^T A registers of this
+        thread (``value_source``)."""
+        par, codes = loads
+        out = {}
+        if bits == 4:  # planes 2 kh + rh of the owner's word
+            for mt16 in range(nmt16):
                 for kh in range(2):
                     for rh in range(2):
-                        v = ns.unpack_pair(x, 2 * kh + rh, par[mt16 // 2, 0][kh],
+                        v = ns.unpack_pair(codes[mt16], 2 * kh + rh, par[mt16 // 2, 0][kh],
                                            par[mt16 // 2, 1][kh])  # fmt: skip
                         out[mt16, rh, kh] = as_i32(v)
             return out
-        # INT2: the owner's word is 2 mt + w // 2, planes 4 (w % 2) + 2 kh + rh: one 16-byte
-        # load a (owner warp, 64-channel block pair), the word selected, shifted by 8 (w % 2)
+        # INT2: the owner's word f0 = 2 mt (warps 0, 1) or f0 + 1 (warps 2, 3), planes
+        # 4 (w % 2) + 2 kh + rh: the word selected, shifted by 8 (w % 2)
         hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
         sh = arith.muli(arith.remui(w, c32(2)), c32(8))
-        loaded = {}
         for mt16 in range(nmt16):
             mt, wo = divmod(mt16, 4)
-            f0 = 2 * mt  # the owner's word is f0 (warps 0, 1) or f0 + 1 (warps 2, 3)
-            grp_load = f0 // u
-            if (wo, grp_load) not in loaded:
-                owner = arith.addi(lane, c32(32 * wo))
-                at = arith.addi(c32(vc + code_word(u * grp_load, 0, u)), arith.muli(owner, c32(u)))
-                loaded[wo, grp_load] = words(load4(rec_ref, row, at, u))
-            ws = loaded[wo, grp_load]
+            f0 = 2 * mt
+            ws = codes[wo, f0 // u]
             x = arith.select(hi_word, ws[f0 % u + 1], ws[f0 % u])
             x = arith.shrui(x, sh)
             grp = mt16 // 2
@@ -196,9 +207,29 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2):
         tid, w, j, lane, gid = lanes()
         t0 = arith.addi(arith.muli(w, c32(16)), gid)  # this thread's first token of a record
         neg = cf(NEG)
+
+        def k_loads(r):  # the key path's shared-memory loads of record r (codes, params, norms)
+            nv = [vector.extract(vector.load(ir.VectorType.get((1,), f32()), n_ref,
+                                             [idx(r), idx(arith.addi(t0, c32(8 * hf)))]),
+                                 [], [0]) for hf in range(2)]  # fmt: skip
+            return ns.key_loads(rec_ref, r), nv
+
+        # prefetch: record r + 1's loads are issued before record r's arithmetic (and the
+        # first record's value loads before the last key record's), so that their latency
+        # overlaps work the warp already has; otherwise each record loads as it goes
+        kl = {0: k_loads(0)}
+        vl = {}
         scores = []
         for r in range(nsub):
-            kf = ns.key_frag(None, rec_ref, r).registers
+            if prefetch:
+                if r + 1 < nsub:
+                    kl[r + 1] = k_loads(r + 1)
+                else:
+                    vl[0] = value_loads(rec_ref, 0, w, j, lane)
+            elif r not in kl:
+                kl[r] = k_loads(r)
+            kload, nv = kl.pop(r)
+            kf = ns.key_unpack(kload).registers
             chains = [[cf(0.0)] * 4 for _ in range(2)]  # two chains: half the mma latency
             for kk in range(d // 16):
                 a = [as_i32(kf[0, 2 * kk + c, 0, 0, rh, 0, 0, 0, 0]) for c in (0, 1)
@@ -208,12 +239,9 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2):
             s = []
             for hf in range(2):
                 t = arith.addi(t0, c32(8 * hf))
-                nv = vector.extract(
-                    vector.load(ir.VectorType.get((1,), f32()), n_ref, [idx(r), idx(t)]), [], [0]
-                )
                 ok = arith.cmpi(arith.CmpIPredicate.slt, arith.addi(t, c32(TILE * r)), lim)
                 for c in range(2):
-                    s.append(arith.select(ok, arith.mulf(acc[2 * hf + c], nv), neg))
+                    s.append(arith.select(ok, arith.mulf(acc[2 * hf + c], nv[hf]), neg))
             scores.append(s)  # [tok, head 2j], [tok, 2j+1], [tok+8, 2j], [tok+8, 2j+1]
         m_new, corr = [], []
         for c in range(2):
@@ -228,11 +256,15 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2):
             lsum[c] = arith.mulf(lsum[c], corr[c])
         o = [[arith.mulf(x, corr[i % 2]) for i, x in enumerate(ot)] for ot in o]
         for r, s in enumerate(scores):
+            if prefetch and r + 1 < nsub:
+                vl[r + 1] = value_loads(rec_ref, r + 1, w, j, lane)
+            elif r not in vl:
+                vl[r] = value_loads(rec_ref, r, w, j, lane)
             p = [ex2(arith.subf(x, m_new[i % 2])) for i, x in enumerate(s)]
             for c in range(2):
                 lsum[c] = arith.addf(lsum[c], arith.addf(p[c], p[2 + c]))
             b = (trans(pack(p[0], p[1])), trans(pack(p[2], p[3])))
-            v = value_regs(rec_ref, r, w, j, lane)
+            v = value_unpack(vl.pop(r), w)
             for mt16 in range(nmt16):
                 a = [v[mt16, rh, kh] for kh in (0, 1) for rh in (0, 1)]
                 o[mt16] = mma(a, b, o[mt16])
@@ -314,7 +346,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
     qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
-    load_q, step, finish = _warp_fns(pdt, d, nsub, bits)
+    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.prefetch)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
