@@ -51,7 +51,7 @@ def parse_variant(s):
     kw = {}
     for item in filter(None, s.split(",")):
         k, v = item.split("=")
-        kw[k] = v if k in ("stage", "unpack", "kernel") else int(v)
+        kw[k] = v if k in ("stage", "unpack", "kernel", "fold") else int(v)
     return kw  # "bits" (2 or 4) picks the cache; the rest are Int2DecodeConfig fields
 
 

@@ -136,6 +136,23 @@ def test_half_words_split_a_record_by_token_half(bits, d):
     assert not np.asarray(w)[..., ~m[1]].any() and np.asarray(w)[..., m[1]].any()
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("param_dtype", ["float16", "bfloat16"])
+def test_raw_unpack_reads_every_plane_as_offset_plus_code(bits, param_dtype):
+    """The "raw" unpack (``raw_magic``: one LOP3 onto an exponent chosen per plane) gives
+    offset + code exactly for every plane of a code word, both 16-bit halves, every code:
+    the warp kernel's folded scales rely on it (the offset goes back by an mma of
+    constants)."""
+    pdt = jnp.dtype(param_dtype)
+    words = np.random.default_rng(7).integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)
+    mask = (1 << bits) - 1
+    for p in range(record.pairs_per_word(bits)):
+        got, off = mk_dq.emulate_raw(words, p, bits=bits, param_dtype=pdt)
+        want = np.stack([(words >> (bits * p)) & mask, (words >> (16 + bits * p)) & mask], -1)
+        np.testing.assert_array_equal(got - off, want.astype(np.float64), err_msg=f"{p=}")
+        assert off == float(2 ** round(np.log2(off))) and off <= 1024, off
+
+
 @pytest.mark.parametrize("bits,param_dtype,unpack,d", [
     (2, "float16", "lop3", 128), (2, "bfloat16", "lop3", 128), (2, "float16", "shift", 128),
     (4, "float16", "lop3", 128), (4, "bfloat16", "lop3", 128), (4, "bfloat16", "shift", 128),
@@ -388,9 +405,9 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
     (128, 1, 128, "bfloat16", 2), (128, 4, 128, "float16", 4), (256, 3, 64, "bfloat16", 4),
     (64, 8, 256, "bfloat16", 4),
 ])  # fmt: skip
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, prefetch):
-    cfg = mk.Int2DecodeConfig(block_tokens=block, kernel="warp", prefetch=prefetch)
+@pytest.mark.parametrize("fold", ["none", "k", "v", "kv"])
+def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, fold):
+    cfg = mk.Int2DecodeConfig(block_tokens=block, kernel="warp", fold=fold)
     s = jax.ShapeDtypeStruct
     b, h, lq = 2, 2, 1024
     q = s((b, h, g, d), jnp.float32)
@@ -528,11 +545,11 @@ class TestMosaicGPU:
             ([1100, 2047], 8, "bfloat16", dict(bits=4, d=256, block_tokens=64)),
         ],
     )
-    @pytest.mark.parametrize("prefetch", [False, True])
-    def test_warp_kernel_matches_xla(self, lengths, g, param_dtype, knobs, prefetch):
+    @pytest.mark.parametrize("fold", ["none", "kv"])
+    def test_warp_kernel_matches_xla(self, lengths, g, param_dtype, knobs, fold):
         """The warp-level kernel (mma.sync, each warp its own tokens of every record), with
-        and without the hand-issued loads a record ahead."""
-        self._check(lengths, g, param_dtype, dict(knobs, kernel="warp", prefetch=prefetch))
+        the codes dequantized in registers and with the scales folded into Q and P."""
+        self._check(lengths, g, param_dtype, dict(knobs, kernel="warp", fold=fold))
 
     def _check(self, lengths, g, param_dtype, knobs):
         knobs = dict(knobs)

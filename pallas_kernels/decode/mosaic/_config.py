@@ -54,9 +54,10 @@ class Int2DecodeConfig:
     kernel: "wgmma" (one warpgroup walks 64-token tiles with wgmma; ``_kernel``) or "warp"
       (each warp walks its own 16 tokens of every record with mma.sync, no cross-warp step;
       INT2, g <= 8, stage "full" only; ``_warp``).
-    prefetch: (warp kernel) issue record r + 1's shared-memory loads before record r's
-      arithmetic, by hand: the kernel stalls mostly on shared-memory round trips, and ptxas
-      does not hoist them on its own.
+    fold: (warp kernel) where the scales and zeros are applied: "none" (every code pair
+      dequantized by LOP3 + 2 FMA), "k" (key scales folded into the query, zeros and the
+      unpack's plane offsets added by mma: one LOP3 a key pair), "v" (the same for values,
+      the token scales folded into P), "kv" (both).
     """
 
     block_tokens: int = 256
@@ -72,7 +73,7 @@ class Int2DecodeConfig:
     merge_step: int = 8
     reduction_scratch: int = 2048
     kernel: str = "wgmma"
-    prefetch: bool = False
+    fold: str = "none"
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -89,6 +90,8 @@ class Int2DecodeConfig:
             raise ValueError(f"merge_step={self.merge_step} must be >= 1")
         if self.kernel not in ("wgmma", "warp"):
             raise ValueError(f"kernel={self.kernel!r} must be 'wgmma' or 'warp'")
+        if self.fold not in ("none", "k", "v", "kv"):
+            raise ValueError(f"fold={self.fold!r} must be 'none', 'k', 'v' or 'kv'")
         if self.unpack not in ("shift", "lop", "lop3"):
             raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
 

@@ -46,6 +46,31 @@ def emulate_fragment(words, p: int, scale, zero, *, bits: int, param_dtype, unpa
     return (code * np.asarray(scale, np.float64) + np.asarray(zero, np.float64)).astype(pdt)
 
 
+def raw_magic(q: int, *, bits: int, param_dtype) -> tuple[int, float]:
+    """The "raw" unpack of a code at plane q (``plane_plan``): OR-ing the returned 16-bit
+    pattern onto the masked bits gives the float ``offset + code`` exactly, offset =
+    2^(mantissa - bits q) (the exponent is picked per plane, so every plane reads the code
+    with weight 1: one LOP3 a pair, no FMA). (pattern, offset)."""
+    pdt = jnp.dtype(param_dtype)
+    _, _, mant = MAGIC[pdt.name]
+    bias = 15 if pdt == jnp.float16 else 127
+    e = mant - bits * q
+    return (bias + e) << mant, float(2.0**e)
+
+
+def emulate_raw(words, p: int, *, bits: int, param_dtype):
+    """numpy of the "raw" unpack of plane ``p`` (``raw_magic``): [..., 2] float64 values
+    ``offset + code`` (lo, hi half) and the offset."""
+    pdt = jnp.dtype(param_dtype)
+    shift, mask, q = plane_plan(p, bits=bits, param_dtype=pdt, unpack="lop3")
+    pat, off = raw_magic(q, bits=bits, param_dtype=pdt)
+    x = ((np.asarray(words, np.uint32) >> np.uint32(shift)) & np.uint32(mask)) | np.uint32(
+        pat | (pat << 16)
+    )
+    halves = np.stack([x & 0xFFFF, x >> 16], -1).astype(np.uint16).view(pdt)
+    return halves.astype(np.float64), off
+
+
 def _dequant_fns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
     """inline_mgpu bodies: record smem ref -> K [64, d] / V^T channel blocks [64, 64]
     fragments of an INT2 or INT4 record of head_dim ``d`` (``oscar_jax.record``'s layout):
@@ -160,6 +185,17 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
         zv = vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32), zero))
         return _fma(xv, sv, zv)
 
+    def raw_pair(word, p):
+        """(code at bits b p, code at bits 16 + b p) of ``word`` -> i32 holding the pair
+        ``offset + code`` exactly (``raw_magic``; one LOP3), and the offset."""
+        i32 = ir.IntegerType.get_signless(32)
+        src, mask, q = plane_src(word, p)
+        pat, off = raw_magic(q, bits=bits, param_dtype=pdt)
+        x = llvm.inline_asm(
+            i32, [src], f"lop3.b32 $0, $1, {mask}, {pat | (pat << 16)}, 0xea;", "=r,r"
+        )
+        return x, off
+
     def _fma(a, b, c):
         return llvm.intr_fma(a, b, c) if hasattr(llvm, "intr_fma") else arith.addf(
             arith.mulf(a, b), c)  # fmt: skip
@@ -203,6 +239,14 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
                     cw[r // ppw], r % ppw, sw[cb], zw[cb]
                 )
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    def key_raw(loads):
+        """``key_loads``' code words -> {(cb, rh): (i32 pair offset + code, offset)} of this
+        thread's K A registers (``raw_pair``; the scales and zeros are applied elsewhere)."""
+        shifted.clear()
+        cw = loads[0]
+        return {(cb, rh): raw_pair(cw[(2 * cb + rh) // ppw], (2 * cb + rh) % ppw)
+                for cb in range(d // 8) for rh in range(2)}  # fmt: skip
 
     def value_frags(ctx, rec_ref, row, mts=None):
         """V^T tiles (channels x tokens) [64, 64] for the channel blocks ``mts`` (None: all

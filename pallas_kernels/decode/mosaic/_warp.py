@@ -63,7 +63,7 @@ def query_fragments(qt):
     return x.reshape(b, h, 32, d // 8)
 
 
-def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, prefetch: bool = False):
+def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
     """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
     block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
     into the CTA's partials in shared memory)."""
@@ -80,6 +80,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, prefetch: bool = False):
     _, vc, _, vp = offsets(bits, d)
     u = load_words(bits, d)
     nmt16 = d // 16
+    fold_k, fold_v = "k" in fold, "v" in fold
 
     def i32():
         return ir.IntegerType.get_signless(32)
@@ -130,8 +131,8 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, prefetch: bool = False):
                                     _is_signed=signed)  # fmt: skip
 
     def value_loads(rec_ref, row, w, j, lane):
-        """The shared-memory loads of ``value_regs`` alone (issued a record ahead when the
-        kernel prefetches): (parameter pair words {(grp, sz): [kh 0, kh 1]}, code words)."""
+        """The shared-memory loads of a record's V^T registers: (parameter pair words
+        {(grp, sz): [kh 0, kh 1]}, code words)."""
         pbase = arith.addi(
             arith.addi(arith.muli(arith.divui(w, c32(2)), c32(d)), arith.muli(j, c32(4))),
             arith.muli(arith.remui(w, c32(2)), c32(2)),
@@ -190,6 +191,38 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, prefetch: bool = False):
                     out[mt16, rh, kh] = as_i32(v)
         return out
 
+    def value_raw(loads, w):
+        """``value_loads``' code words -> {(mt16, rh, kh): (i32 pair offset + code, offset)}
+        of this thread's V^T A registers (``value_unpack`` without the scale / zero)."""
+        par, codes = loads
+        out = {}
+        if bits == 4:
+            for mt16 in range(nmt16):
+                for kh in range(2):
+                    for rh in range(2):
+                        out[mt16, rh, kh] = ns.raw_pair(codes[mt16], 2 * kh + rh)
+            return out
+        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
+        sh = arith.muli(arith.remui(w, c32(2)), c32(8))
+        for mt16 in range(nmt16):
+            mt, wo = divmod(mt16, 4)
+            f0 = 2 * mt
+            ws = codes[wo, f0 // u]
+            x = arith.shrui(arith.select(hi_word, ws[f0 % u + 1], ws[f0 % u]), sh)
+            for kh in range(2):
+                for rh in range(2):
+                    out[mt16, rh, kh] = ns.raw_pair(x, 2 * kh + rh)
+        return out
+
+    def hmul2(a, b):  # two i32 holding 16-bit pairs -> their product pair (one HMUL2)
+        v2 = ir.VectorType.get((2,), ir.F16Type.get() if is_f16 else ir.BF16Type.get())
+        as_v2 = lambda x: vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32()), x))  # noqa: E731
+        return as_i32(arith.mulf(as_v2(a), as_v2(b)))
+
+    def neg_pair(off):  # i32 constant: the 16-bit pair (-off, -off)
+        bits16 = int(np.array(-off, dtype=pdt).view(np.uint16))
+        return c32(np.int32(np.uint32(bits16 | (bits16 << 16))).item())
+
     def load_q(ctx, q_ref):
         """This lane's B fragment words of the query (loop-invariant registers)."""
         del ctx
@@ -207,34 +240,36 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, prefetch: bool = False):
         tid, w, j, lane, gid = lanes()
         t0 = arith.addi(arith.muli(w, c32(16)), gid)  # this thread's first token of a record
         neg = cf(NEG)
-
-        def k_loads(r):  # the key path's shared-memory loads of record r (codes, params, norms)
+        scores = []
+        for r in range(nsub):
+            kload = ns.key_loads(rec_ref, r)
             nv = [vector.extract(vector.load(ir.VectorType.get((1,), f32()), n_ref,
                                              [idx(r), idx(arith.addi(t0, c32(8 * hf)))]),
                                  [], [0]) for hf in range(2)]  # fmt: skip
-            return ns.key_loads(rec_ref, r), nv
-
-        # prefetch: record r + 1's loads are issued before record r's arithmetic (and the
-        # first record's value loads before the last key record's), so that their latency
-        # overlaps work the warp already has; otherwise each record loads as it goes
-        kl = {0: k_loads(0)}
-        vl = {}
-        scores = []
-        for r in range(nsub):
-            if prefetch:
-                if r + 1 < nsub:
-                    kl[r + 1] = k_loads(r + 1)
-                else:
-                    vl[0] = value_loads(rec_ref, 0, w, j, lane)
-            elif r not in kl:
-                kl[r] = k_loads(r)
-            kload, nv = kl.pop(r)
-            kf = ns.key_unpack(kload).registers
             chains = [[cf(0.0)] * 4 for _ in range(2)]  # two chains: half the mma latency
-            for kk in range(d // 16):
-                a = [as_i32(kf[0, 2 * kk + c, 0, 0, rh, 0, 0, 0, 0]) for c in (0, 1)
-                     for rh in (0, 1)]  # fmt: skip
-                chains[kk % 2] = mma(a, (qw[2 * kk], qw[2 * kk + 1]), chains[kk % 2])
+            if fold_k:
+                # S^T = (off + code) (s q) - off (s q) + z q: the scales fold into the
+                # query's B fragment (16 HMUL2), the zeros and the plane offsets are mma of
+                # the zero pairs and of constants (exact products, f32 sums), so a code pair
+                # costs one LOP3
+                _, sw, zw = kload
+                raw = ns.key_raw(kload)
+                qs = [hmul2(qw[cb], sw[cb]) for cb in range(d // 8)]
+                for kk in range(d // 16):
+                    cbs = (2 * kk, 2 * kk + 1)
+                    bq, bs = (qw[2 * kk], qw[2 * kk + 1]), (qs[2 * kk], qs[2 * kk + 1])
+                    a = [raw[cb, rh][0] for cb in cbs for rh in (0, 1)]
+                    chains[kk % 2] = mma(a, bs, chains[kk % 2])
+                    az = [zw[cb] for cb in cbs for _ in (0, 1)]
+                    chains[1 - kk % 2] = mma(az, bq, chains[1 - kk % 2])
+                    ao = [neg_pair(raw[cb, rh][1]) for cb in cbs for rh in (0, 1)]
+                    chains[kk % 2] = mma(ao, bs, chains[kk % 2])
+            else:
+                kf = ns.key_unpack(kload).registers
+                for kk in range(d // 16):
+                    a = [as_i32(kf[0, 2 * kk + c, 0, 0, rh, 0, 0, 0, 0]) for c in (0, 1)
+                         for rh in (0, 1)]  # fmt: skip
+                    chains[kk % 2] = mma(a, (qw[2 * kk], qw[2 * kk + 1]), chains[kk % 2])
             acc = [arith.addf(x, y) for x, y in zip(*chains, strict=True)]
             s = []
             for hf in range(2):
@@ -256,18 +291,31 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, prefetch: bool = False):
             lsum[c] = arith.mulf(lsum[c], corr[c])
         o = [[arith.mulf(x, corr[i % 2]) for i, x in enumerate(ot)] for ot in o]
         for r, s in enumerate(scores):
-            if prefetch and r + 1 < nsub:
-                vl[r + 1] = value_loads(rec_ref, r + 1, w, j, lane)
-            elif r not in vl:
-                vl[r] = value_loads(rec_ref, r, w, j, lane)
+            vload = value_loads(rec_ref, r, w, j, lane)
             p = [ex2(arith.subf(x, m_new[i % 2])) for i, x in enumerate(s)]
             for c in range(2):
                 lsum[c] = arith.addf(lsum[c], arith.addf(p[c], p[2 + c]))
             b = (trans(pack(p[0], p[1])), trans(pack(p[2], p[3])))
-            v = value_unpack(vl.pop(r), w)
-            for mt16 in range(nmt16):
-                a = [v[mt16, rh, kh] for kh in (0, 1) for rh in (0, 1)]
-                o[mt16] = mma(a, b, o[mt16])
+            if fold_v:
+                # O^T += (off + code) (P s) - off (P s) + z P: the token scales fold into P's
+                # B fragment per value group (2 HMUL2 a group), zeros and offsets by mma
+                par = vload[0]
+                raw = value_raw(vload, w)
+                bs = [(hmul2(b[0], par[grp, 0][0]), hmul2(b[1], par[grp, 0][1]))
+                      for grp in range(d // 32)]  # fmt: skip
+                for mt16 in range(nmt16):
+                    grp = mt16 // 2
+                    a = [raw[mt16, rh, kh][0] for kh in (0, 1) for rh in (0, 1)]
+                    o[mt16] = mma(a, bs[grp], o[mt16])
+                    az = [par[grp, 1][kh] for kh in (0, 1) for _ in (0, 1)]
+                    o[mt16] = mma(az, b, o[mt16])
+                    ao = [neg_pair(raw[mt16, rh, kh][1]) for kh in (0, 1) for rh in (0, 1)]
+                    o[mt16] = mma(ao, bs[grp], o[mt16])
+            else:
+                v = value_unpack(vload, w)
+                for mt16 in range(nmt16):
+                    a = [v[mt16, rh, kh] for kh in (0, 1) for rh in (0, 1)]
+                    o[mt16] = mma(a, b, o[mt16])
         flat = [x for ot in o for x in ot]
         return strided(m_new), strided(lsum), strided(flat)
 
@@ -346,7 +394,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
     qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
-    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.prefetch)
+    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
