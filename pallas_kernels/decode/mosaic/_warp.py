@@ -28,7 +28,7 @@ import numpy as np
 
 from oscar_jax.record import TILE, code_word, load_words, offsets, pairs_per_word, record_format
 from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, scaled_query
-from pallas_kernels.decode.mosaic._dequant import dequant_ns
+from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
 
 NW = 8  # the mma's N: query heads a KV head (g <= 8)
 NEG = -1e30
@@ -61,6 +61,44 @@ def query_fragments(qt):
     x = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32)
     x = x[..., 0] | (x[..., 1] << 16)
     return x.reshape(b, h, 32, d // 8)
+
+
+NX = 16  # extra words a lane of the query buffer: the folded kernel's offset constants
+
+
+def fold_constants(bits: int, pdt) -> np.ndarray:
+    """[NX] uint32: the 16-bit pairs (-offset, -offset) of the raw unpack (``raw_magic``)
+    that the folded kernel's offset mma read as A registers: K's by (cb % 4, rh) at 2 (cb %
+    4) + rh (plane (2 cb + rh) % P), V^T's by (kh, rh) at 8 + 2 kh + rh (plane 2 kh + rh
+    after the owner's word is shifted), zero padding. They travel with the query (loaded
+    once into registers): as immediates ptxas rematerializes them at every mma (one IMAD a
+    register, ~60 a record)."""
+    ppw = pairs_per_word(bits)
+
+    def neg(p):
+        _, _, q = plane_plan(p, bits=bits, param_dtype=pdt)
+        off = raw_magic(q, bits=bits, param_dtype=pdt)[1]
+        h16 = int(np.array(-off, dtype=pdt).view(np.uint16))
+        return h16 | (h16 << 16)
+
+    out = np.zeros(NX, np.uint32)
+    for cb4 in range(4):
+        for rh in range(2):
+            out[2 * cb4 + rh] = neg((2 * cb4 + rh) % ppw)
+    for kh in range(2):
+        for rh in range(2):
+            out[8 + 2 * kh + rh] = neg(2 * kh + rh)
+    return out
+
+
+def fold_inputs(qf, bits: int, pdt):
+    """The query buffer of the folded kernel: qf [B, H, 32, D/8] (``query_fragments``) ->
+    [B, H, 32, D/4 + NX]: the B fragment words, the same words as the zero mma's B pairs
+    (channel blocks 4i, 4i + 2, 4i + 1, 4i + 3 for each i), then ``fold_constants``."""
+    b, h, _, n = qf.shape
+    perm = np.array([4 * i + k for i in range(n // 4) for k in (0, 2, 1, 3)])
+    kx = jnp.broadcast_to(jnp.asarray(fold_constants(bits, pdt)), (b, h, 32, NX))
+    return jnp.concatenate([qf, qf[..., perm], kx], axis=-1)
 
 
 def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
@@ -99,6 +137,12 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
         ptx = (f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 "
                "{$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, {$10,$11,$12,$13};")  # fmt: skip
         return list(mu.inline_ptx(ptx, *a, *b, *c, result_types=[f32()] * 4))
+
+    def mma8(a, b, c):
+        """c + A B by one mma.sync.m16n8k8 (A 2 regs, B 1, C 4 f32)."""
+        ptx = (f"mma.sync.aligned.m16n8k8.row.col.f32.{ty}.{ty}.f32 "
+               "{$0,$1,$2,$3}, {$4,$5}, {$6}, {$7,$8,$9,$10};")  # fmt: skip
+        return list(mu.inline_ptx(ptx, *a, b, *c, result_types=[f32()] * 4))
 
     def ex2(x):
         return mu.inline_ptx("ex2.approx.ftz.f32 $0, $1;", x, result_types=f32())
@@ -219,16 +263,12 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
         as_v2 = lambda x: vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32()), x))  # noqa: E731
         return as_i32(arith.mulf(as_v2(a), as_v2(b)))
 
-    def neg_pair(off):  # i32 constant: the 16-bit pair (-off, -off)
-        bits16 = int(np.array(-off, dtype=pdt).view(np.uint16))
-        return c32(np.int32(np.uint32(bits16 | (bits16 << 16))).item())
-
     def load_q(ctx, q_ref):
         """This lane's B fragment words of the query (loop-invariant registers)."""
         del ctx
         lane = lanes()[3]
         qw = []
-        for k in range(d // 32):
+        for k in range((d // 8 + (d // 8 + NX if fold_k or fold_v else 0)) // 4):
             qw += words(vector.load(ir.VectorType.get((4,), i32()), q_ref, [idx(lane), idx(4 * k)]))
         return strided(qw)
 
@@ -236,6 +276,8 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
         del ctx
         (lim,) = scalars(lim_a)
         m, lsum, o, qw = scalars(m_a), scalars(l_a), scalars(o_a), scalars(q_a)
+        # B fragments, their pairs for the zero mma, offset constants (``fold_inputs``)
+        qw, qz, kx = qw[: d // 8], qw[d // 8 : d // 4], qw[d // 4 :]
         o = [o[4 * k : 4 * k + 4] for k in range(nmt16)]
         tid, w, j, lane, gid = lanes()
         t0 = arith.addi(arith.muli(w, c32(16)), gid)  # this thread's first token of a record
@@ -257,13 +299,21 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
                 qs = [hmul2(qw[cb], sw[cb]) for cb in range(d // 8)]
                 for kk in range(d // 16):
                     cbs = (2 * kk, 2 * kk + 1)
-                    bq, bs = (qw[2 * kk], qw[2 * kk + 1]), (qs[2 * kk], qs[2 * kk + 1])
+                    bs = (qs[2 * kk], qs[2 * kk + 1])
                     a = [raw[cb, rh][0] for cb in cbs for rh in (0, 1)]
                     chains[kk % 2] = mma(a, bs, chains[kk % 2])
-                    az = [zw[cb] for cb in cbs for _ in (0, 1)]
-                    chains[1 - kk % 2] = mma(az, bq, chains[1 - kk % 2])
-                    ao = [neg_pair(raw[cb, rh][1]) for cb in cbs for rh in (0, 1)]
-                    chains[kk % 2] = mma(ao, bs, chains[kk % 2])
+                    ao = [kx[2 * (cb % 4) + rh] for cb in cbs for rh in (0, 1)]
+                    chains[1 - kk % 2] = mma(ao, bs, chains[1 - kk % 2])
+                # z q, the same for every token of the warp: the loaded quads of zero pairs
+                # as A (no register copies) against B pairs of channel blocks (4i, 4i + 2)
+                # (right in row gid) and (4i + 1, 4i + 3) (right in row gid + 8)
+                z1, z2 = [cf(0.0)] * 4, [cf(0.0)] * 4
+                for i in range(d // 32):
+                    zq = [zw[4 * i + n] for n in range(4)]
+                    z1 = mma(zq, (qz[4 * i], qz[4 * i + 1]), z1)
+                    z2 = mma(zq, (qz[4 * i + 2], qz[4 * i + 3]), z2)
+                zt = [arith.addf(z1[0], z2[2]), arith.addf(z1[1], z2[3])]
+                chains[0] = [arith.addf(x, zt[n % 2]) for n, x in enumerate(chains[0])]
             else:
                 kf = ns.key_unpack(kload).registers
                 for kk in range(d // 16):
@@ -290,6 +340,8 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
             corr.append(ex2(arith.subf(m[c], mn)))
             lsum[c] = arith.mulf(lsum[c], corr[c])
         o = [[arith.mulf(x, corr[i % 2]) for i, x in enumerate(ot)] for ot in o]
+        zv1 = [[cf(0.0)] * 4 for _ in range(d // 32)]
+        zv2 = [[cf(0.0)] * 4 for _ in range(d // 32)]
         for r, s in enumerate(scores):
             vload = value_loads(rec_ref, r, w, j, lane)
             p = [ex2(arith.subf(x, m_new[i % 2])) for i, x in enumerate(s)]
@@ -307,15 +359,24 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
                     grp = mt16 // 2
                     a = [raw[mt16, rh, kh][0] for kh in (0, 1) for rh in (0, 1)]
                     o[mt16] = mma(a, bs[grp], o[mt16])
-                    az = [par[grp, 1][kh] for kh in (0, 1) for _ in (0, 1)]
-                    o[mt16] = mma(az, b, o[mt16])
-                    ao = [neg_pair(raw[mt16, rh, kh][1]) for kh in (0, 1) for rh in (0, 1)]
+                    ao = [kx[8 + 2 * kh + rh] for kh in (0, 1) for rh in (0, 1)]
                     o[mt16] = mma(ao, bs[grp], o[mt16])
+                # z P, the same for every channel of a group: the loaded zero pair [kh 0,
+                # kh 1] as an m16n8k8 A (row gid right against P's tokens 0-7, row gid + 8
+                # against 8-15), summed over the step and added to the group's tiles after it
+                for grp in range(d // 32):
+                    zv1[grp] = mma8(par[grp, 1], b[0], zv1[grp])
+                    zv2[grp] = mma8(par[grp, 1], b[1], zv2[grp])
             else:
                 v = value_unpack(vload, w)
                 for mt16 in range(nmt16):
                     a = [v[mt16, rh, kh] for kh in (0, 1) for rh in (0, 1)]
                     o[mt16] = mma(a, b, o[mt16])
+        if fold_v:
+            for grp in range(d // 32):
+                zt = [arith.addf(zv1[grp][0], zv2[grp][2]), arith.addf(zv1[grp][1], zv2[grp][3])]
+                for mt16 in (2 * grp, 2 * grp + 1):
+                    o[mt16] = [arith.addf(x, zt[n % 2]) for n, x in enumerate(o[mt16])]
         flat = [x for ot in o for x in ot]
         return strided(m_new), strided(lsum), strided(flat)
 
@@ -394,11 +455,14 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
     qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
+    nx = d // 8 + NX if cfg.fold != "none" else 0
+    if nx:
+        qf = fold_inputs(qf, bits, pdt)  # [B, H, 32, D/4 + NX]
     load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
-    layq = ST((128 * d // 8,), 1)
+    layq = ST((128 * (d // 8 + nx),), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, acc_out, ml_out, q_smem, o_smem, ml_smem,
                xm_smem, q_bar):  # fmt: skip
@@ -412,7 +476,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         plgpu.barrier_wait(q_bar)
         qa = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(),),
-            return_type=plgpu.ShapeDtypeStruct((128 * d // 8,), jnp.int32, layout=layq),
+            return_type=plgpu.ShapeDtypeStruct((128 * (d // 8 + nx),), jnp.int32, layout=layq),
         )(load_q)(q_smem)
         step_call = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(),) * 2 + (layq, layi, lay2, lay2, layo),
@@ -459,7 +523,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
         ),
         scratch_types=[
-            plgpu.SMEM((32, d // 8), jnp.uint32),
+            plgpu.SMEM((32, d // 8 + nx), jnp.uint32),
             plgpu.SMEM((nmt, TILE, NPAD), f32),
             plgpu.SMEM((2, NPAD), f32),
             plgpu.SMEM((4, NW), f32),
