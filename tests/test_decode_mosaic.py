@@ -269,6 +269,121 @@ def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d, 
                         )
 
 
+def _mma_a(regs):  # [32 lanes, n regs, 2] -> the m16n8k16 (n = 4) / m16n8k8 (n = 2) A
+    a = np.zeros((16, 8 * regs.shape[1] // 2))
+    for lane in range(32):
+        g, j = divmod(lane, 4)
+        for i in range(regs.shape[1]):
+            a[g + 8 * (i % 2), 2 * j + 8 * (i // 2) + np.arange(2)] = regs[lane, i]
+    return a
+
+
+def _mma_b(regs):  # [32 lanes, n regs, 2] -> the B [8 n, 8] (n = 2 or 1)
+    b = np.zeros((8 * regs.shape[1], 8))
+    for lane in range(32):
+        g, j = divmod(lane, 4)
+        for i in range(regs.shape[1]):
+            b[2 * j + 8 * i + np.arange(2), g] = regs[lane, i]
+    return b
+
+
+@pytest.mark.parametrize("bits,param_dtype,d", [
+    (2, "float16", 128), (2, "bfloat16", 64), (4, "float16", 256), (4, "bfloat16", 128),
+    (2, "float16", 256), (4, "float16", 64),
+])  # fmt: skip
+def test_folded_warp_arithmetic_equals_the_dequantized_products(bits, param_dtype, d):
+    """The warp kernel's fold="kv" arithmetic, emulated register for register and mma for
+    mma (raw codes offset + code, scales on the query's / P's B fragments rounded as HMUL2,
+    the offset mma of ``fold_constants``, the zero mma on the loaded quads against
+    ``fold_inputs``' pairs and the m16n8k8 pairs), equals K q and V^T P of the planar
+    dequantization for every warp of a record, to the 16-bit rounding of s q and s P."""
+    pdt = jnp.dtype(param_dtype)
+    rtol = 4e-3 if param_dtype == "float16" else 3e-2
+    c = _cache(8, 1, [640], param_dtype=param_dtype, d=d, bits=bits)
+    rec, _ = mk.fragment_layout(c.k_codes, c.k_scale, c.k_zero, c.k_norm, c.v_codes,
+                                c.v_scale, c.v_zero, param_dtype=pdt, block_tokens=64)  # fmt: skip
+    r = np.asarray(rec)[0, 1, 3]  # one record (tokens 192-255) of KV head 1
+    kc_, vc_, kp_, vp_ = record.offsets(bits, d)
+    ppw, per = record.pairs_per_word(bits), record.load_words(bits, d)
+    f64 = lambda x: np.asarray(x[0, 1], np.float32).astype(np.float64)  # noqa: E731
+    kdq = np.asarray(oj.unpack(c.k_codes, bits))[0, 1].astype(np.float64) * np.repeat(
+        f64(c.k_scale), 32, 0) + np.repeat(f64(c.k_zero), 32, 0)  # fmt: skip
+    vdq = np.asarray(oj.unpack(c.v_codes, bits))[0, 1].astype(np.float64) * np.repeat(
+        f64(c.v_scale), 32, -1) + np.repeat(f64(c.v_zero), 32, -1)  # fmt: skip
+
+    def halves(word):
+        w = np.asarray(word, np.uint32)
+        return np.stack([w & 0xFFFF, w >> 16], -1).astype(np.uint16).view(pdt).astype(np.float64)
+
+    def hmul(a, b):  # HMUL2: the product rounded once to the parameter dtype
+        return (a * b).astype(pdt).astype(np.float64)
+
+    qt = jax.random.normal(jax.random.key(5), (1, 1, 8, d)).astype(pdt)
+    qx = np.asarray(mk_warp.fold_inputs(mk_warp.query_fragments(qt), bits, pdt))[0, 0]
+    qw, qz, kx = qx[:, : d // 8], qx[:, d // 8 : d // 4], qx[:, d // 4 :]
+    q = np.asarray(qt[0, 0], np.float64)  # [8 heads, d]
+    p = np.asarray(jax.random.uniform(jax.random.key(6), (64, 8)).astype(pdt), np.float64)
+    for w in range(4):
+        g = w // 2
+        lanes = np.arange(32)
+        tids, jj = 32 * w + lanes, lanes % 4
+        # keys: S^T [16 tok, 8 heads]
+        sw = halves(r[kp_ + d * g + d // 8 * jj[:, None] + np.arange(d // 8)])  # [32, cb, 2]
+        zw = halves(r[kp_ + d * g + d // 2 + d // 8 * jj[:, None] + np.arange(d // 8)])
+        qs = hmul(halves(qw), sw)
+        s_t = np.zeros((16, 8))
+        for kk in range(d // 16):
+            a, ao = np.zeros((32, 4, 2)), np.zeros((32, 4, 2))
+            for i, (cb, rh) in enumerate((2 * kk + c_, rh) for c_ in (0, 1) for rh in (0, 1)):
+                reg = 2 * cb + rh
+                word = r[kc_ + np.array([record.code_word(reg // ppw, t, per) for t in tids])]
+                a[:, i], off = mk_dq.emulate_raw(word, reg % ppw, bits=bits, param_dtype=pdt)
+                ao[:, i] = halves(kx[:, 2 * (cb % 4) + rh])
+                np.testing.assert_array_equal(ao[:, i], -off)
+            b = _mma_b(qs[:, 2 * kk : 2 * kk + 2])
+            s_t += _mma_a(a) @ b + _mma_a(ao) @ b
+        z1, z2 = np.zeros((16, 8)), np.zeros((16, 8))
+        for i in range(d // 32):
+            zq = _mma_a(zw[:, 4 * i : 4 * i + 4])
+            z1 += zq @ _mma_b(halves(qz[:, 4 * i : 4 * i + 2]))
+            z2 += zq @ _mma_b(halves(qz[:, 4 * i + 2 : 4 * i + 4]))
+        s_t += (z1[0] + z2[8])[None, :]  # row gid of z1, row gid + 8 of z2
+        want = kdq[192 + 16 * w : 208 + 16 * w] @ q.T
+        scale = np.abs(kdq[192 + 16 * w : 208 + 16 * w]) @ np.abs(q.T)
+        np.testing.assert_array_less(np.abs(s_t - want), rtol * scale.max(), err_msg=f"K {w}")
+        # values: O^T [d, 8 heads] from P [16 tok, 8 heads] of this warp's tokens
+        pw = p[16 * w : 16 * w + 16]
+        breg = np.stack([np.stack([pw[2 * jj + 8 * kh + e, lanes // 4] for e in (0, 1)], -1)
+                         for kh in (0, 1)], 1)  # [32, 2 regs, 2]  # fmt: skip
+        o_t = np.zeros((d, 8))
+        for mt16 in range(d // 16):
+            grp = mt16 // 2
+            par = [[halves(r[vp_ + np.array([mk_warp.value_param_word(d, w, ln, grp, sz, kh)
+                                              for ln in lanes])]) for kh in (0, 1)]
+                   for sz in (0, 1)]  # fmt: skip
+            bs = np.stack([hmul(breg[:, kh], par[0][kh]) for kh in (0, 1)], 1)
+            a, ao = np.zeros((32, 4, 2)), np.zeros((32, 4, 2))
+            for i, (kh, rh) in enumerate((kh, rh) for kh in (0, 1) for rh in (0, 1)):
+                ws = []
+                for ln in lanes:
+                    owner, f, pl = mk_warp.value_source(bits, d, w, ln, mt16, rh, kh)
+                    if bits == 2:
+                        ws.append(r[vc_ + record.code_word(f, owner, per)] >> (8 * (w % 2)))
+                    else:
+                        ws.append(r[vc_ + 128 * per * (mt16 // 4) + per * owner + w])
+                a[:, i], off = mk_dq.emulate_raw(np.array(ws), 2 * kh + rh, bits=bits,
+                                                 param_dtype=pdt)  # fmt: skip
+                ao[:, i] = halves(kx[:, 8 + 2 * kh + rh])
+                np.testing.assert_array_equal(ao[:, i], -off)
+            tile = _mma_a(a) @ _mma_b(bs) + _mma_a(ao) @ _mma_b(bs)
+            zp = np.stack(par[1], 1)  # [32, kh, 2]: the m16n8k8 A [z kh 0, z kh 1]
+            zt = (_mma_a(zp) @ _mma_b(breg[:, :1]))[0] + (_mma_a(zp) @ _mma_b(breg[:, 1:]))[8]
+            o_t[16 * mt16 : 16 * mt16 + 16] = tile + zt[None, :]
+        want = vdq[192 + 16 * w : 208 + 16 * w].T @ pw
+        scale = np.abs(vdq[192 + 16 * w : 208 + 16 * w]).T @ pw
+        np.testing.assert_array_less(np.abs(o_t - want), rtol * scale.max(), err_msg=f"V {w}")
+
+
 def test_warp_kernel_query_fragments_are_b_operands():
     """``query_fragments``: lane l's word 2 kk + half holds Q^T[16 kk + 2 j + 8 half + e,
     head l // 4] (e the 16-bit half), the B fragment of mma.sync m16n8k16."""
