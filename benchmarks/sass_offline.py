@@ -27,6 +27,16 @@ from an Nsight Compute export (on the H200):
 Options (JSON): quantize: ``tokens``, ``bits`` and any ``pallas_kernels.quantize.triton.encode``
 knob; decode: ``B``, ``L`` and any ``decode_attention`` option (Qwen3-8B shape: 32 query
 heads, 8 KV heads, head_dim 128, the oscar INT2 preset).
+
+``mosaic``: the Mosaic GPU decode partials kernel, compiled without a GPU by XLA's deviceless
+AOT path (a compile-only CUDA device from an H100 ``TargetConfig``; Mosaic dumps the PTX it
+hands to ptxas), then the system's ``ptxas`` for sm_90a and ``nvdisasm``: registers and the
+main loop's instruction mix (the pipeline step: ``loops``' longest). Needs jax 0.11.2 with
+``jax-cuda13-plugin`` (Python 3.12; CI's lowering venv) and the CUDA tools on PATH or in the
+``nvidia`` pip packages. Options: ``B``, ``L``, ``bits``, ``d``, ``g`` and any
+``Int2DecodeConfig`` field (over the backend's ``default_config``)::
+
+    python3 -m benchmarks.sass_offline mosaic out/sass_m --opts '{"kernel": "warp", "fold": "kv"}'
 """
 
 from __future__ import annotations
@@ -97,6 +107,80 @@ def lower(what: str, opts: dict):
     raise ValueError(f"{what=} must be 'quantize' or 'decode'")
 
 
+# XLA's description of one H100 SXM (its TargetConfig text proto), for compile-only devices
+H100_TARGET = """gpu_device_info { threads_per_block_limit: 1024 threads_per_warp: 32
+  shared_memory_per_block: 49152 shared_memory_per_core: 233472 threads_per_core_limit: 2048
+  core_count: 132 fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536 }
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 7 }
+runtime_version { major: 13 minor: 0 patch: 0 } device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+def _tool(name: str) -> str:
+    import glob
+    import shutil
+
+    found = shutil.which(name) or next(iter(glob.glob(os.path.join(
+        os.path.dirname(os.path.dirname(jax.__file__)), "nvidia", "*", "bin", name))), None)  # fmt: skip
+    if found is None:
+        raise SystemExit(f"{name} not found (PATH or the nvidia pip packages)")
+    return found
+
+
+def mosaic(outdir: str, opts: dict) -> None:
+    """Compile the Mosaic decode partials kernel for a compile-only H100 and report its SASS."""
+    import dataclasses
+    import glob
+
+    from jax.experimental import topologies
+
+    from oscar_jax import record
+    from pallas_kernels.decode import mosaic as mk
+
+    os.makedirs(outdir, exist_ok=True)
+    for old in glob.glob(os.path.join(outdir, "*")):
+        os.remove(old)
+    os.environ.update(MOSAIC_GPU_DUMP_TO=os.path.abspath(outdir), MOSAIC_GPU_DUMP_PTX="1")
+    b, length = opts.pop("B", 1), opts.pop("L", 131072)
+    bits, d, g = opts.pop("bits", 2), opts.pop("d", 128), opts.pop("g", 4)
+    cfg = dataclasses.replace(mk.default_config(length, bits, d, g), **opts)
+    topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET,
+                                        topology="1x1x1")  # fmt: skip
+    sh = jax.sharding.SingleDeviceSharding(topo.devices[0])
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)  # noqa: E731
+    args = (s((b, 8, g, d), jnp.float32), s((b, 8, length // 64, record.record_words(bits, d)),
+            jnp.uint32), s((b, 8, length), jnp.float32), s((b,), jnp.int32))  # fmt: skip
+    f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg))
+    f.trace(*args).lower(lowering_platforms=("cuda",)).compile()
+    ptx = [p for p in glob.glob(os.path.join(outdir, "*.ptx")) if "partials" in p]
+    if len(ptx) != 1:
+        raise SystemExit(f"expected one partials kernel's PTX in {outdir}, found {ptx}")
+    cubin = ptx[0][:-4] + ".cubin"
+    run = lambda *cmd: subprocess.run(cmd, capture_output=True, text=True, check=True)  # noqa: E731
+    info = run(_tool("ptxas"), "-arch=sm_90a", "-O3", "-v", ptx[0], "-o", cubin).stderr
+    sass = run(_tool("nvdisasm"), "-c", cubin).stdout
+    with open(cubin[:-6] + ".sass", "w") as fh:
+        fh.write(sass)
+    print(f"{cfg}\n" + " ".join(ln.split(":", 1)[-1].strip() for ln in info.splitlines()
+                                 if "registers" in ln or "spill" in ln))  # fmt: skip
+    report(sass)
+    lines, bodies = sass.splitlines(), []
+    for i, ln in enumerate(lines):  # every loop's opcodes
+        m = re.search(r"BRA\s+`\(\.(L_x_\d+)\)", ln)
+        start = next((k for k, x in enumerate(lines) if m and x.strip() == f".{m.group(1)}:"), i)
+        if start < i:
+            ops = collections.Counter(
+                OP.match(x).group(2).split(".")[0] for x in lines[start : i + 1] if OP.match(x)
+            )
+            bodies.append((-ops["HMMA"], sum(ops.values()), ops))
+    _, n, ops = min(bodies, key=lambda x: x[:2])  # the pipeline step: all the mma, shortest
+    print(f"pipeline step {n} instructions: {ops.most_common(20)}")
+
+
 def loops(sass: str) -> list[int]:
     """Instructions of each loop (a label reached by a backward branch), in SASS order."""
     lines = sass.splitlines()
@@ -139,11 +223,15 @@ def report(sass: str) -> collections.Counter:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("quantize", "decode", "ncu"))
+    ap.add_argument("what", choices=("quantize", "decode", "ncu", "mosaic"))
     ap.add_argument("outdir", help="output folder (ncu: the source export to read)")
     ap.add_argument("--opts", default="{}", help="JSON options (see the module docstring)")
     ap.add_argument("--live", action="store_true", help="peak live registers (nvdisasm -plr)")
     args = ap.parse_args(argv)
+    if args.what == "mosaic":
+        jax.config.update("jax_platforms", "cpu")
+        mosaic(args.outdir, json.loads(args.opts))
+        return 0
     if args.what == "ncu":
         with open(args.outdir) as fh:
             report(from_ncu_csv(fh.read()))
