@@ -124,8 +124,10 @@ def _tool(name: str) -> str:
     import glob
     import shutil
 
-    found = shutil.which(name) or next(iter(glob.glob(os.path.join(
-        os.path.dirname(os.path.dirname(jax.__file__)), "nvidia", "*", "bin", name))), None)  # fmt: skip
+    site = os.path.dirname(os.path.dirname(jax.__file__))
+    found = shutil.which(name) or next(
+        iter(glob.glob(os.path.join(site, "nvidia", "*", "bin", name))), None
+    )
     if found is None:
         raise SystemExit(f"{name} not found (PATH or the nvidia pip packages)")
     return found
