@@ -55,7 +55,9 @@ import jax
 import jax.numpy as jnp
 
 import oscar_jax as oj
+from oscar_jax import record
 from pallas_kernels import register_cap
+from pallas_kernels.decode import mosaic as mk
 from pallas_kernels.quantize import triton as pq
 
 OP = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)")
@@ -139,9 +141,6 @@ def mosaic(outdir: str, opts: dict) -> None:
     import glob
 
     from jax.experimental import topologies
-
-    from oscar_jax import record
-    from pallas_kernels.decode import mosaic as mk
 
     os.makedirs(outdir, exist_ok=True)
     for old in glob.glob(os.path.join(outdir, "*")):
