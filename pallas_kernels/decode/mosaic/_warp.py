@@ -205,58 +205,36 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
                 codes[wo, grp_load] = words(load4(rec_ref, row, at, u))
         return par, codes
 
-    def value_unpack(loads, w):
-        """``value_loads``' words -> {(mt16, rh, kh): i32 pair} of V^T A registers of this
-        thread (``value_source``)."""
-        par, codes = loads
-        out = {}
-        if bits == 4:  # planes 2 kh + rh of the owner's word
-            for mt16 in range(nmt16):
-                for kh in range(2):
-                    for rh in range(2):
-                        v = ns.unpack_pair(codes[mt16], 2 * kh + rh, par[mt16 // 2, 0][kh],
-                                           par[mt16 // 2, 1][kh])  # fmt: skip
-                        out[mt16, rh, kh] = as_i32(v)
-            return out
-        # INT2: the owner's word f0 = 2 mt (warps 0, 1) or f0 + 1 (warps 2, 3), planes
-        # 4 (w % 2) + 2 kh + rh: the word selected, shifted by 8 (w % 2)
+    def value_words(codes, w):
+        """{mt16: the code word whose planes 2 kh + rh hold this thread's V^T registers}:
+        INT4 the owner's word as loaded; INT2 the owner's word f0 = 2 mt (warps 0, 1) or
+        f0 + 1 (warps 2, 3), shifted right by 8 (w % 2) (``value_source``)."""
+        if bits == 4:
+            return codes
         hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
         sh = arith.muli(arith.remui(w, c32(2)), c32(8))
+        out = {}
         for mt16 in range(nmt16):
             mt, wo = divmod(mt16, 4)
-            f0 = 2 * mt
-            ws = codes[wo, f0 // u]
-            x = arith.select(hi_word, ws[f0 % u + 1], ws[f0 % u])
-            x = arith.shrui(x, sh)
-            grp = mt16 // 2
-            for kh in range(2):
-                for rh in range(2):
-                    v = ns.unpack_pair(x, 2 * kh + rh, par[grp, 0][kh], par[grp, 1][kh])
-                    out[mt16, rh, kh] = as_i32(v)
+            ws = codes[wo, 2 * mt // u]
+            out[mt16] = arith.shrui(arith.select(hi_word, ws[2 * mt % u + 1], ws[2 * mt % u]), sh)
         return out
+
+    def value_unpack(loads, w):
+        """``value_loads``' words -> {(mt16, rh, kh): i32 pair} of V^T A registers of this
+        thread, dequantized (``value_source``)."""
+        par, codes = loads
+        xs = value_words(codes, w)
+        return {(mt16, rh, kh): as_i32(ns.unpack_pair(xs[mt16], 2 * kh + rh, par[mt16 // 2, 0][kh],
+                                                      par[mt16 // 2, 1][kh]))
+                for mt16 in range(nmt16) for kh in range(2) for rh in range(2)}  # fmt: skip
 
     def value_raw(loads, w):
         """``value_loads``' code words -> {(mt16, rh, kh): (i32 pair offset + code, offset)}
         of this thread's V^T A registers (``value_unpack`` without the scale / zero)."""
-        par, codes = loads
-        out = {}
-        if bits == 4:
-            for mt16 in range(nmt16):
-                for kh in range(2):
-                    for rh in range(2):
-                        out[mt16, rh, kh] = ns.raw_pair(codes[mt16], 2 * kh + rh)
-            return out
-        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
-        sh = arith.muli(arith.remui(w, c32(2)), c32(8))
-        for mt16 in range(nmt16):
-            mt, wo = divmod(mt16, 4)
-            f0 = 2 * mt
-            ws = codes[wo, f0 // u]
-            x = arith.shrui(arith.select(hi_word, ws[f0 % u + 1], ws[f0 % u]), sh)
-            for kh in range(2):
-                for rh in range(2):
-                    out[mt16, rh, kh] = ns.raw_pair(x, 2 * kh + rh)
-        return out
+        xs = value_words(loads[1], w)
+        return {(mt16, rh, kh): ns.raw_pair(xs[mt16], 2 * kh + rh)
+                for mt16 in range(nmt16) for kh in range(2) for rh in range(2)}  # fmt: skip
 
     def hmul2(a, b):  # two i32 holding 16-bit pairs -> their product pair (one HMUL2)
         v2 = ir.VectorType.get((2,), ir.F16Type.get() if is_f16 else ir.BF16Type.get())
