@@ -289,7 +289,7 @@ def _mma_b(regs):  # [32 lanes, n regs, 2] -> the B [8 n, 8] (n = 2 or 1)
 
 @pytest.mark.parametrize("bits,param_dtype,d", [
     (2, "float16", 128), (2, "bfloat16", 64), (4, "float16", 256), (4, "bfloat16", 128),
-    (2, "float16", 256), (4, "float16", 64),
+    (2, "float16", 256), (4, "float16", 64), (2, "bfloat16", 256), (4, "bfloat16", 256),
 ])  # fmt: skip
 def test_folded_warp_arithmetic_equals_the_dequantized_products(bits, param_dtype, d):
     """The warp kernel's fold="kv" arithmetic, emulated register for register and mma for
@@ -515,6 +515,18 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
 
 
 @pytest.mark.usefixtures("lowering_stack")
+def test_folded_warp_kernel_refuses_bfloat16_parameters():
+    cfg = mk.Int2DecodeConfig(kernel="warp", fold="v")
+    s = jax.ShapeDtypeStruct
+    q, rec = s((1, 2, 4, D), jnp.float32), s((1, 2, 16, record.record_words(2, D)), jnp.uint32)
+    kn, nq = s((1, 2, 1024), jnp.float32), s((1,), jnp.int32)
+    f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg,
+                                                            param_dtype="bfloat16"))  # fmt: skip
+    with pytest.raises(ValueError, match="fold='v' takes float16 parameters"):
+        f.trace(q, rec, kn, nq)
+
+
+@pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("block,g,d,pdt,bits", [
     (256, 4, 128, "float16", 2), (128, 7, 64, "bfloat16", 2), (64, 8, 256, "float16", 2),
     (128, 1, 128, "bfloat16", 2), (128, 4, 128, "float16", 4), (256, 3, 64, "bfloat16", 4),
@@ -522,6 +534,8 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
 ])  # fmt: skip
 @pytest.mark.parametrize("fold", ["none", "k", "v", "kv"])
 def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, fold):
+    if fold != "none":
+        pdt = "float16"  # the folded kernel takes float16 parameters only
     cfg = mk.Int2DecodeConfig(block_tokens=block, kernel="warp", fold=fold)
     s = jax.ShapeDtypeStruct
     b, h, lq = 2, 2, 1024
@@ -663,7 +677,12 @@ class TestMosaicGPU:
     @pytest.mark.parametrize("fold", ["none", "kv"])
     def test_warp_kernel_matches_xla(self, lengths, g, param_dtype, knobs, fold):
         """The warp-level kernel (mma.sync, each warp its own tokens of every record), with
-        the codes dequantized in registers and with the scales folded into Q and P."""
+        the codes dequantized in registers and with the scales folded into Q and P (float16
+        parameters only: bfloat16 is refused by name)."""
+        if fold != "none" and param_dtype == "bfloat16":
+            with pytest.raises(ValueError, match="fold='kv' takes float16"):
+                self._check(lengths, g, param_dtype, dict(knobs, kernel="warp", fold=fold))
+            return
         self._check(lengths, g, param_dtype, dict(knobs, kernel="warp", fold=fold))
 
     def _check(self, lengths, g, param_dtype, knobs):

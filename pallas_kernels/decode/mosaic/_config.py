@@ -57,7 +57,9 @@ class Int2DecodeConfig:
     fold: (warp kernel) where the scales and zeros are applied: "none" (every code pair
       dequantized by LOP3 + 2 FMA), "k" (key scales folded into the query, zeros and the
       unpack's plane offsets added by mma: one LOP3 a key pair), "v" (the same for values,
-      the token scales folded into P), "kv" (both).
+      the token scales folded into P), "kv" (both). Experimental: float16 parameters only;
+      21% fewer instructions a step at "kv" but no faster on the H200 (the mma count
+      triples; docs/mosaic_decode_notes.md, Run Y).
     """
 
     block_tokens: int = 256
