@@ -207,7 +207,7 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
 
     def key_loads(rec_ref, row, half=None):
         """The shared-memory loads of ``key_frag`` alone: (code words, {cb: scale pair word},
-        {cb: zero pair word}), so that a kernel can issue them a record ahead."""
+        {cb: zero pair word}), which the folded kernel uses without the unpack."""
         tid, w, j = tids()
         cw = code_words(rec_ref, row, _kc, tid, nwords)
         g = arith.divui(w, c32(2))
