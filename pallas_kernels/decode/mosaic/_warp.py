@@ -91,6 +91,12 @@ def fold_constants(bits: int, pdt) -> np.ndarray:
     return out
 
 
+def query_words(d: int, fold: str) -> int:
+    """Words a lane of the query buffer: the B fragments, and with a fold the zero mma's
+    pairs and the offset constants (``fold_inputs``)."""
+    return d // 8 + (d // 8 + NX if fold != "none" else 0)
+
+
 def fold_inputs(qf, bits: int, pdt):
     """The query buffer of the folded kernel: qf [B, H, 32, D/8] (``query_fragments``) ->
     [B, H, 32, D/4 + NX]: the B fragment words, the same words as the zero mma's B pairs
@@ -237,7 +243,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
                 for mt16 in range(nmt16) for kh in range(2) for rh in range(2)}  # fmt: skip
 
     def hmul2(a, b):  # two i32 holding 16-bit pairs -> their product pair (one HMUL2)
-        v2 = ir.VectorType.get((2,), ir.F16Type.get() if is_f16 else ir.BF16Type.get())
+        v2 = ns.ctypes()[2]
         as_v2 = lambda x: vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32()), x))  # noqa: E731
         return as_i32(arith.mulf(as_v2(a), as_v2(b)))
 
@@ -246,7 +252,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
         del ctx
         lane = lanes()[3]
         qw = []
-        for k in range((d // 8 + (d // 8 + NX if fold_k or fold_v else 0)) // 4):
+        for k in range(query_words(d, fold) // 4):
             qw += words(vector.load(ir.VectorType.get((4,), i32()), q_ref, [idx(lane), idx(4 * k)]))
         return strided(qw)
 
@@ -437,14 +443,14 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
     qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
-    nx = d // 8 + NX if cfg.fold != "none" else 0
-    if nx:
+    nw = query_words(d, cfg.fold)
+    if cfg.fold != "none":
         qf = fold_inputs(qf, bits, pdt)  # [B, H, 32, D/4 + NX]
     load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
-    layq = ST((128 * (d // 8 + nx),), 1)
+    layq = ST((128 * nw,), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, acc_out, ml_out, q_smem, o_smem, ml_smem,
                xm_smem, q_bar):  # fmt: skip
@@ -458,7 +464,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         plgpu.barrier_wait(q_bar)
         qa = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(),),
-            return_type=plgpu.ShapeDtypeStruct((128 * (d // 8 + nx),), jnp.int32, layout=layq),
+            return_type=plgpu.ShapeDtypeStruct((128 * nw,), jnp.int32, layout=layq),
         )(load_q)(q_smem)
         step_call = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(),) * 2 + (layq, layi, lay2, lay2, layo),
@@ -505,7 +511,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
         ),
         scratch_types=[
-            plgpu.SMEM((32, d // 8 + nx), jnp.uint32),
+            plgpu.SMEM((32, nw), jnp.uint32),
             plgpu.SMEM((nmt, TILE, NPAD), f32),
             plgpu.SMEM((2, NPAD), f32),
             plgpu.SMEM((4, NW), f32),
