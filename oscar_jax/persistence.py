@@ -53,11 +53,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from oscar_jax.cache import KVCache
 from oscar_jax.config import KVQuantConfig
-from oscar_jax.record import RECORD_VERSION
+from oscar_jax.record import RECORD_VERSION, upgrade_records
 
 FORMAT = "oscar_jax.persistence"
 VERSION = 2  # 2: registered nodes (register_node); a file without them is written as 1
 _READS = ("1", "2")
+_RECORD_READS = (1, RECORD_VERSION)  # record layouts read (older ones converted on load)
 
 _DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
@@ -273,11 +274,14 @@ def _decode(node, path, header, data, take, mesh):
             cfg = KVQuantConfig(**{"layout": "planar", **node["cfg"]})  # absent: planar
         except (TypeError, ValueError) as e:
             raise _fail(path, f"bad KVQuantConfig in the header: {e}") from e
-        if cfg.layout == "record" and node.get("record_layout") != RECORD_VERSION:
-            got = node.get("record_layout")
+        got = node.get("record_layout")
+        if cfg.layout == "record" and got not in _RECORD_READS:
             raise _fail(path, f"a layout='record' cache of record layout version {got!r}; "
-                        f"this reader knows {RECORD_VERSION}")  # fmt: skip
+                        f"this reader knows {_RECORD_READS}")  # fmt: skip
         fields = {f: rec(node["fields"][f]) for f in _KV_FIELDS}
+        if cfg.layout == "record" and got != RECORD_VERSION:  # an older layout: converted
+            up = lambda n, a, impl: take(n, upgrade_records(a, got), impl)  # noqa: E731
+            fields["k_codes"] = _decode(node["fields"]["k_codes"], path, header, data, up, mesh)
         return KVCache(**fields, cfg=cfg, max_len=int(node["max_len"]))
     if t == "node":
         name = node.get("name")

@@ -29,8 +29,11 @@ thread's f-th code word of a tensor sits at ``code_word(f, tid, u)`` = 128 u (f 
                 + rh.)
   K params [4 d b, + 2 d), 16-bit values two to a word (position 2i in the low half of
                 word i, 2i + 1 in the high half): [group g in 0..1][scale, zero][d
-                positions], channel 8 cb + 2 j + e of token group 2 n + g at position
-                d/4 j + 2 cb + e, i.e. word d/8 j + cb (+ d g + d/2 sz), half e
+                positions], channel 8 cb + 2 j + e of token group 2 n + g in word
+                16 (cb // 4) + 4 j + cb % 4 (+ d g + d/2 sz), half e
+                (``key_param_word``: a thread's 16-byte load k holds cb = 4k..4k+3, and
+                the 4 distinct loads of a warp (one a j) fill 64 contiguous bytes, in
+                distinct banks)
   V params [4 d b + 2 d, + 2 d), same packing: [chunk c in 0..1 (32 tokens)][scale, zero]
                 [value group 0..d/32-1][32 positions], token 32 c + 16 kk + 2 j + (0, 1, 8,
                 9)[e'] at position 8 j + 4 kk + e', i.e. token 8 cb + 2 j + e of group grp
@@ -63,7 +66,8 @@ D = 128  # the default head_dim
 G = 32  # group size (key tokens per group, value channel groups)
 TILE = 64  # tokens per wgmma M tile = tokens per record
 BITS = (2, 4)  # code widths the layout holds
-RECORD_VERSION = 1  # bump when a permutation changes (saved files name it)
+RECORD_VERSION = 2  # bump when a permutation changes (saved files name it); 2: key params
+# interleaved by j (``key_param_word``), 1: key params by j in blocks of d / 8 words
 
 
 def _check_format(bits: int, d: int) -> None:
@@ -157,12 +161,48 @@ def _code_tables(bits: int = 2, d: int = D):
     return kt, kc, vt, vch
 
 
+def key_param_word(j, cb):
+    """Word (within a token group's scale or zero block of d / 2 words) of the key parameter
+    pair of channels 8 cb + 2 j + (0, 1): the K A fragment's thread column j = lane % 4 and
+    channel block cb. Interleaved by j, so that the kernels' 16-byte loads (cb = 4k..4k+3 a
+    load) of a warp's 4 distinct j read 64 contiguous bytes: no bank conflict."""
+    return 16 * (cb // 4) + 4 * j + cb % 4
+
+
+@functools.cache
+def _upgrade_index(version: int, bits: int, d: int) -> np.ndarray:
+    """[W] int: record words of ``version`` -> this version's (new[i] = old[index[i]])."""
+    if version != 1:
+        raise ValueError(f"{version=} must be 1 or {RECORD_VERSION} (the record layouts known)")
+    idx = np.arange(record_words(bits, d))
+    kp = offsets(bits, d)[2]
+    for blk in range(4):  # the [token group][scale, zero] blocks of d / 2 words
+        base = kp + blk * (d // 2)
+        for j in range(4):
+            for cb in range(d // 8):  # version 1: word d / 8 j + cb of the block
+                idx[base + key_param_word(j, cb)] = base + d // 8 * j + cb
+    return idx
+
+
+def upgrade_records(rec: Array, version: int) -> Array:
+    """rec [..., W] uint32 records of an older ``RECORD_VERSION`` -> this version's (an
+    exact word permutation: version 1 differs only in where the key params sit)."""
+    if version == RECORD_VERSION:
+        return rec
+    bits, d = record_format(rec.shape[-1])
+    return rec[..., _upgrade_index(version, bits, d)]
+
+
 @functools.cache
 def _kp_channels(d: int = D) -> np.ndarray:
-    """Key params: position -> channel (channel 8 cb + 2 j + e at position d / 4 j + 2 cb + e)."""
-    return np.array(
-        [8 * cb + 2 * j + e for j in range(4) for cb in range(d // 8) for e in range(2)]
-    )
+    """Key params: position -> channel (channel 8 cb + 2 j + e at position 2
+    ``key_param_word(j, cb)`` + e)."""
+    out = np.zeros(d, np.int64)
+    for j in range(4):
+        for cb in range(d // 8):
+            for e in range(2):
+                out[2 * key_param_word(j, cb) + e] = 8 * cb + 2 * j + e
+    return out
 
 
 # value params: position within a 32-token chunk -> token offset

@@ -108,7 +108,7 @@ def test_record_fields_sit_where_the_kernel_reads_them():
         assert (word >> (2 * p + 16 * e)) & 3 == cv[bi, hi, tok, ch]
         gi = rng.integers(2)
         for off, bits in ((0, ks), (64, kz)):
-            word = int(r[bi, hi, n, 1024 + 128 * gi + off + 16 * j + cb])
+            word = int(r[bi, hi, n, 1024 + 128 * gi + off + 16 * (cb // 4) + 4 * j + cb % 4])
             assert (word >> (16 * e)) & 0xFFFF == bits[bi, hi, 2 * n + gi, 8 * cb + 2 * j + e]
         grp = 2 * mt + w // 2
         for sz, bits in ((0, vs), (1, vz)):
@@ -191,8 +191,8 @@ def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack, 
                 reg = 2 * cb + rh
                 word = r[:, :, kc_ + record.code_word(reg // ppw, tid, per)]
                 g = w // 2
-                s_ = halves(r[:, :, kp_ + d * g + d // 8 * j + cb])
-                z_ = halves(r[:, :, kp_ + d * g + d // 2 + d // 8 * j + cb])
+                s_ = halves(r[:, :, kp_ + d * g + record.key_param_word(j, cb)])
+                z_ = halves(r[:, :, kp_ + d * g + d // 2 + record.key_param_word(j, cb)])
                 got = mk_dq.emulate_fragment(word, reg % ppw, s_, z_, bits=bits,
                                              param_dtype=pdt, unpack=unpack)  # fmt: skip
                 tok = 64 * n + 16 * w + lane // 4 + 8 * rh  # [1, n, 1]
@@ -328,8 +328,9 @@ def test_folded_warp_arithmetic_equals_the_dequantized_products(bits, param_dtyp
         lanes = np.arange(32)
         tids, jj = 32 * w + lanes, lanes % 4
         # keys: S^T [16 tok, 8 heads]
-        sw = halves(r[kp_ + d * g + d // 8 * jj[:, None] + np.arange(d // 8)])  # [32, cb, 2]
-        zw = halves(r[kp_ + d * g + d // 2 + d // 8 * jj[:, None] + np.arange(d // 8)])
+        kpw = record.key_param_word(jj[:, None], np.arange(d // 8))  # [32, cb]
+        sw = halves(r[kp_ + d * g + kpw])  # [32, cb, 2]
+        zw = halves(r[kp_ + d * g + d // 2 + kpw])
         qs = hmul(halves(qw), sw)
         s_t = np.zeros((16, 8))
         for kk in range(d // 16):

@@ -22,6 +22,9 @@ def scaled_query(q_rot, softmax_scale, heads: int):
     return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 
+WARP_PROBES = ("probe_kp1", "probe_vc", "probe_kp1vc")  # the warp kernel's timing-only stages
+
+
 @dataclasses.dataclass(frozen=True)
 class Int2DecodeConfig:
     """Tuning of the kernel (validated; frozen so it can be a static jit argument).
@@ -38,7 +41,10 @@ class Int2DecodeConfig:
       for timing), "stream" (the TMA pipeline + the code words XOR-folded; for timing),
       "dequant" (K and V dequantized as in "full" but XOR-folded: no wgmma, no softmax),
       "nofma" (as "full" without the magic subtraction and the scale/zero FMA: wrong values,
-      timing only).
+      timing only). Warp kernel, timing only (wrong values): "probe_kp1" loads the key
+      scales / zeros at record layout 1's addresses (2-way bank conflicts), "probe_vc" the
+      value codes by one 8-byte load an owner warp instead of 16 bytes (what a value-code
+      layout serving that load would save), "probe_kp1vc" both.
     auto_barriers: False sets Mosaic's ``unsafe_no_auto_barriers`` (no warpgroup barrier
       around every shared-memory store / async copy; the kernel's own ordering is: P stores
       -> commit_smem (fence + barrier) -> wgmma; a pipeline slot is refilled only after the
@@ -86,12 +92,14 @@ class Int2DecodeConfig:
             raise ValueError(f"splits={self.splits} must be >= 1")
         if self.max_concurrent_steps < 1:
             raise ValueError("max_concurrent_steps must be >= 1")
-        if self.stage not in ("full", "keys", "stream", "dequant", "nofma"):
+        if self.stage not in ("full", "keys", "stream", "dequant", "nofma", *WARP_PROBES):
             raise ValueError(f"stage={self.stage!r}")
         if self.merge_step < 1:
             raise ValueError(f"merge_step={self.merge_step} must be >= 1")
         if self.kernel not in ("wgmma", "warp"):
             raise ValueError(f"kernel={self.kernel!r} must be 'wgmma' or 'warp'")
+        if self.stage in WARP_PROBES and self.kernel != "warp":
+            raise ValueError(f"stage={self.stage!r} is a probe of kernel='warp': {self.kernel=}")
         if self.fold not in ("none", "k", "v", "kv"):
             raise ValueError(f"fold={self.fold!r} must be 'none', 'k', 'v' or 'kv'")
         if self.unpack not in ("shift", "lop", "lop3"):

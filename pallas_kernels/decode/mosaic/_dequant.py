@@ -5,7 +5,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.record import TILE, code_word, load_words, offsets, pairs_per_word, thread_words
+from oscar_jax.record import (
+    TILE,
+    code_word,
+    key_param_word,
+    load_words,
+    offsets,
+    pairs_per_word,
+    thread_words,
+)
 
 MAGIC = {"float16": (0x6400, 1024.0, 10), "bfloat16": (0x4300, 128.0, 7)}  # bits, value, mantissa
 
@@ -205,22 +213,26 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
         [64, d], or with ``half`` its channels 64 half.. 64 half + 63 (fewer live registers)."""
         return key_unpack(key_loads(rec_ref, row, half), half)
 
-    def key_loads(rec_ref, row, half=None):
+    def key_loads(rec_ref, row, half=None, probe_v1=False):
         """The shared-memory loads of ``key_frag`` alone: (code words, {cb: scale pair word},
-        {cb: zero pair word}), which the folded kernel uses without the unpack."""
+        {cb: zero pair word}), which the folded kernel uses without the unpack. ``probe_v1``
+        (timing only, wrong values): the same loads at record layout 1's addresses (word d/8
+        j + cb: the 4 distinct 16-byte chunks of a warp's load two to a bank group)."""
         tid, w, j = tids()
         cw = code_words(rec_ref, row, _kc, tid, nwords)
         g = arith.divui(w, c32(2))
         base = arith.addi(c32(_kp), arith.muli(g, c32(d)))
-        sbase = arith.addi(base, arith.muli(j, c32(d // 8)))
+        jstride = d // 8 if probe_v1 else key_param_word(1, 0)
+        sbase = arith.addi(base, arith.muli(j, c32(jstride)))
         zbase = arith.addi(sbase, c32(d // 2))
         cbs = range(d // 8) if half is None else range(8 * half, 8 * half + 8)
         ks_ = sorted({cb // 4 for cb in cbs})
         sw, zw = {}, {}
-        for k in ks_:
-            for n, x in enumerate(words(load4(rec_ref, row, arith.addi(sbase, c32(4 * k))))):
+        for k in ks_:  # words key_param_word(j, 4 k + n), n = 0..3: one 16-byte load
+            at = 4 * k if probe_v1 else key_param_word(0, 4 * k)
+            for n, x in enumerate(words(load4(rec_ref, row, arith.addi(sbase, c32(at))))):
                 sw[4 * k + n] = x
-            for n, x in enumerate(words(load4(rec_ref, row, arith.addi(zbase, c32(4 * k))))):
+            for n, x in enumerate(words(load4(rec_ref, row, arith.addi(zbase, c32(at))))):
                 zw[4 * k + n] = x
         return cw, sw, zw
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from oscar_jax.record import TILE, record_format
-from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._config import NPAD, WARP_PROBES, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
 from pallas_kernels.decode.mosaic._ring import ring_query, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
@@ -43,7 +43,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if cfg.kernel == "warp":
-        if ring is not None or cfg.stage != "full":
+        if ring is not None or cfg.stage not in ("full", *WARP_PROBES):
             raise ValueError("the warp kernel has no ring split (merge='fused') and no stages")
         return warp_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                                     param_dtype=param_dtype)  # fmt: skip

@@ -107,7 +107,7 @@ def fold_inputs(qf, bits: int, pdt):
     return jnp.concatenate([qf, qf[..., perm], kx], axis=-1)
 
 
-def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
+def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = ""):
     """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
     block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
     into the CTA's partials in shared memory)."""
@@ -125,6 +125,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
     u = load_words(bits, d)
     nmt16 = d // 16
     fold_k, fold_v = "k" in fold, "v" in fold
+    probe_kp1, probe_vc = "kp1" in probe, "vc" in probe  # timing only (``Int2DecodeConfig.stage``)
 
     def i32():
         return ir.IntegerType.get_signless(32)
@@ -203,6 +204,14 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
                 at = arith.addi(arith.addi(c32(vc + 128 * u * mt), arith.muli(owner, c32(u))), w)
                 (codes[mt16],) = words(load4(rec_ref, row, at, 1))
                 continue
+            if probe_vc and u == 4:
+                # timing only: the two words a thread uses (mt 0, 1) by one 8-byte load, the
+                # warp's lanes contiguous (what a layout with those words adjacent would do)
+                if wo not in codes:
+                    at = arith.addi(arith.addi(c32(vc), arith.muli(owner, c32(2))),
+                                    arith.muli(arith.divui(w, c32(2)), c32(256)))  # fmt: skip
+                    codes[wo] = words(load4(rec_ref, row, at, 2))
+                continue
             # INT2: the owner's word is 2 mt + w // 2: one 16-byte load a (owner warp,
             # 64-channel block pair)
             grp_load = 2 * mt // u
@@ -217,8 +226,10 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
         f0 + 1 (warps 2, 3), shifted right by 8 (w % 2) (``value_source``)."""
         if bits == 4:
             return codes
-        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
         sh = arith.muli(arith.remui(w, c32(2)), c32(8))
+        if probe_vc and u == 4:
+            return {mt16: arith.shrui(codes[mt16 % 4][mt16 // 4], sh) for mt16 in range(nmt16)}
+        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
         out = {}
         for mt16 in range(nmt16):
             mt, wo = divmod(mt16, 4)
@@ -268,7 +279,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none"):
         neg = cf(NEG)
         scores = []
         for r in range(nsub):
-            kload = ns.key_loads(rec_ref, r)
+            kload = ns.key_loads(rec_ref, r, probe_v1=probe_kp1)
             nv = [vector.extract(vector.load(ir.VectorType.get((1,), f32()), n_ref,
                                              [idx(r), idx(arith.addi(t0, c32(8 * hf)))]),
                                  [], [0]) for hf in range(2)]  # fmt: skip
@@ -446,7 +457,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     nw = query_words(d, cfg.fold)
     if cfg.fold != "none":
         qf = fold_inputs(qf, bits, pdt)  # [B, H, 32, D/4 + NX]
-    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold)
+    probe = cfg.stage.removeprefix("probe_") if cfg.stage.startswith("probe_") else ""
+    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe)
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
