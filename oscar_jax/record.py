@@ -15,8 +15,12 @@ Record layout of one 64-token tile (uint32 words; "tid" is the thread of the war
 w = tid // 32 its warp, l = tid % 32 its lane, j = l % 4; b the bits, d the head_dim, P =
 16 / b the f16x2 fragment registers a code word fills (8 at INT2, 4 at INT4), T = d b / 64
 the code words a thread holds of a tensor and u = min(4, T) the words it loads at once; a
-thread's f-th code word of a tensor sits at ``code_word(f, tid, u)`` = 128 u (f // u) + u tid
-+ f % u from the tensor's first code word, so that a warp's loads are conflict-free):
+thread's f-th K code word sits at ``code_word(f, tid, u)`` = 128 u (f // u) + u tid + f % u
+from the tensor's first code word, so that a warp's loads are conflict-free; its f-th V code
+word at ``value_code_word(f, tid)`` = 128 M (f % C) + M tid + f // C (C = 16 / P words a
+64-channel block, M = d / 64 blocks): the words of one class f % C of every thread first, so
+that the warp-level kernel's warp w, which reads class w // 2 (INT2) or w (INT4) of its
+owner threads, loads M contiguous words a lane with the lanes contiguous):
   K codes [0, 2 d b): register r = 2 cb + rh of the [64 tok, d ch] A fragment (cb in
                 0..d/8-1, rh in 0..1) is in word f = r // P, plane p = r % P: bits
                 b (p + P e) hold the code of token 16 w + l // 4 + 8 rh, channel
@@ -25,8 +29,8 @@ thread's f-th code word of a tensor sits at ``code_word(f, tid, u)`` = 128 u (f 
                 fragment (mt in 0..d/64-1, cb in 0..7) is in word f = (16 mt + r) // P,
                 plane r % P: the code of channel 64 mt + 16 w + l // 4 + 8 rh, token
                 8 cb + 2 j + e
-  (INT2, d = 128: K word 4 tid + cb // 4, V word 512 + 4 tid + 2 mt + cb // 4, p = 2 (cb % 4)
-                + rh.)
+  (INT2, d = 128: K word 4 tid + cb // 4, V word 512 + 256 (cb // 4) + 2 tid + mt, p =
+                2 (cb % 4) + rh.)
   K params [4 d b, + 2 d), 16-bit values two to a word (position 2i in the low half of
                 word i, 2i + 1 in the high half): [group g in 0..1][scale, zero][d
                 positions], channel 8 cb + 2 j + e of token group 2 n + g in word
@@ -67,7 +71,8 @@ G = 32  # group size (key tokens per group, value channel groups)
 TILE = 64  # tokens per wgmma M tile = tokens per record
 BITS = (2, 4)  # code widths the layout holds
 RECORD_VERSION = 2  # bump when a permutation changes (saved files name it); 2: key params
-# interleaved by j (``key_param_word``), 1: key params by j in blocks of d / 8 words
+# interleaved by j (``key_param_word``), V code words by class (``value_code_word``); 1: key
+# params by j in blocks of d / 8 words, V code words as K's
 
 
 def _check_format(bits: int, d: int) -> None:
@@ -121,6 +126,15 @@ def load_words(bits: int = 2, d: int = D) -> int:
     return min(4, thread_words(bits, d))
 
 
+def value_code_word(f: int, tid, bits: int = 2, d: int = D):
+    """Word (relative to the V codes) of thread ``tid``'s f-th V code word: class c = f % C
+    (C = 16 / ``pairs_per_word``, the words of one 64-channel block), then thread, then block
+    m = f // C (M = d / 64 of them): a warp reading one class of 32 consecutive threads loads
+    M contiguous words a lane, the lanes contiguous (no bank conflict, no unused word)."""
+    c, m = 16 // pairs_per_word(bits), d // 64
+    return 128 * m * (f % c) + m * tid + f // c
+
+
 def code_word(f: int, tid, per: int = 4):
     """Word (relative to its tensor's codes) of thread ``tid``'s f-th code word: groups of
     ``per`` words a thread (one load: ``load_words``), the group k of all 128 threads
@@ -153,7 +167,7 @@ def _code_tables(bits: int = 2, d: int = D):
             for cb in range(8):
                 for rh in range(2):
                     r = 2 * cb + rh
-                    word = code_word((16 * mt + r) // ppw, tid, per)
+                    word = value_code_word((16 * mt + r) // ppw, tid, bits, d)
                     for e in range(2):
                         slot = r % ppw + ppw * e
                         vch[word, slot] = 64 * mt + 16 * w + lane // 4 + 8 * rh
@@ -175,7 +189,11 @@ def _upgrade_index(version: int, bits: int, d: int) -> np.ndarray:
     if version != 1:
         raise ValueError(f"{version=} must be 1 or {RECORD_VERSION} (the record layouts known)")
     idx = np.arange(record_words(bits, d))
-    kp = offsets(bits, d)[2]
+    vc, kp = offsets(bits, d)[1:3]
+    per = load_words(bits, d)
+    for tid in range(128):  # version 1: V code words at code_word(f, tid, per), as K's
+        for f in range(thread_words(bits, d)):
+            idx[vc + value_code_word(f, tid, bits, d)] = vc + code_word(f, tid, per)
     for blk in range(4):  # the [token group][scale, zero] blocks of d / 2 words
         base = kp + blk * (d // 2)
         for j in range(4):
@@ -186,7 +204,8 @@ def _upgrade_index(version: int, bits: int, d: int) -> np.ndarray:
 
 def upgrade_records(rec: Array, version: int) -> Array:
     """rec [..., W] uint32 records of an older ``RECORD_VERSION`` -> this version's (an
-    exact word permutation: version 1 differs only in where the key params sit)."""
+    exact word permutation: version 1 differs in where the V code words and the key params
+    sit)."""
     if version == RECORD_VERSION:
         return rec
     bits, d = record_format(rec.shape[-1])

@@ -103,7 +103,7 @@ def test_record_fields_sit_where_the_kernel_reads_them():
         assert (word >> (2 * p + 16 * e)) & 3 == ck[bi, hi, tok, ch]
         mt, cbv = rng.integers(2), rng.integers(8)
         p = 2 * (cbv % 4) + rh
-        word = int(r[bi, hi, n, 512 + 4 * tid + 2 * mt + cbv // 4])
+        word = int(r[bi, hi, n, 512 + 256 * (cbv // 4) + 2 * tid + mt])
         tok, ch = 64 * n + 8 * cbv + 2 * j + e, 64 * mt + 16 * w + lane // 4 + 8 * rh
         assert (word >> (2 * p + 16 * e)) & 3 == cv[bi, hi, tok, ch]
         gi = rng.integers(2)
@@ -205,7 +205,7 @@ def test_kernel_unpack_gives_every_threads_fragments(bits, param_dtype, unpack, 
             for cb in range(8):
                 for rh in range(2):
                     reg = 16 * mt + 2 * cb + rh
-                    word = r[:, :, vc_ + record.code_word(reg // ppw, tid, per)]
+                    word = r[:, :, vc_ + record.value_code_word(reg // ppw, tid, bits, d)]
                     pos = d // 2 * (2 * (cb // 4)) + 16 * grp + 4 * j + cb % 4
                     s_, z_ = halves(r[:, :, vp_ + pos]), halves(r[:, :, vp_ + pos + d // 2])
                     got = mk_dq.emulate_fragment(word, reg % ppw, s_, z_, bits=bits,
@@ -253,12 +253,17 @@ def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d, 
                     for rh in range(2):
                         owner, f, p = mk_warp.value_source(bits, d, w, lane, mt16, rh, kh)
                         assert owner == 32 * (mt16 % 4) + lane
+                        # the kernel's address: class w // 2 (INT2) or w (INT4) of the owner's
+                        # words, block mt16 // 4 of its d / 64
+                        cls = w // 2 if bits == 2 else w
+                        at = 128 * (d // 64) * cls + d // 64 * owner + mt16 // 4
+                        assert at == record.value_code_word(f, owner, bits, d)
+                        word = r[:, :, vc_ + at]
                         if bits == 2:
                             assert (f, p) == (2 * (mt16 // 4) + w // 2, 4 * (w % 2) + 2 * kh + rh)
-                            word = r[:, :, vc_ + record.code_word(f, owner, per)] >> (8 * (w % 2))
-                        else:  # the kernel's address: group mt16 // 4 of ``per`` words, word w
+                            word = word >> (8 * (w % 2))
+                        else:
                             assert (f, p) == (4 * (mt16 // 4) + w, 2 * kh + rh)
-                            word = r[:, :, vc_ + 128 * per * (mt16 // 4) + per * owner + w]
                         got = mk_dq.emulate_fragment(word, 2 * kh + rh, halves(ps), halves(pz),
                                                      bits=bits, param_dtype=pdt)  # fmt: skip
                         tok = 64 * n + 16 * w + 2 * j + 8 * kh + np.arange(2)
@@ -368,10 +373,8 @@ def test_folded_warp_arithmetic_equals_the_dequantized_products(bits, param_dtyp
                 ws = []
                 for ln in lanes:
                     owner, f, pl = mk_warp.value_source(bits, d, w, ln, mt16, rh, kh)
-                    if bits == 2:
-                        ws.append(r[vc_ + record.code_word(f, owner, per)] >> (8 * (w % 2)))
-                    else:
-                        ws.append(r[vc_ + 128 * per * (mt16 // 4) + per * owner + w])
+                    word = r[vc_ + record.value_code_word(f, owner, bits, d)]
+                    ws.append(word >> (8 * (w % 2)) if bits == 2 else word)
                 a[:, i], off = mk_dq.emulate_raw(np.array(ws), 2 * kh + rh, bits=bits,
                                                  param_dtype=pdt)  # fmt: skip
                 ao[:, i] = halves(kx[:, 8 + 2 * kh + rh])

@@ -212,12 +212,18 @@ def test_a_record_file_of_another_layout_version_is_refused(tmp_path, monkeypatc
 
 def _v1_records(rec):
     """Records of this version -> record layout version 1 (key params in blocks of d / 8
-    words a j), written out from version 1's formula, independently of the library's
-    converter."""
+    words a j; V code words as K's), written out from version 1's formulas, independently
+    of the library's converter."""
     r = np.asarray(rec)
     bits, d = record.record_format(r.shape[-1])
-    kp = record.offsets(bits, d)[2]
+    vc, kp = record.offsets(bits, d)[1:3]
     out = r.copy()
+    t, u = d * bits // 64, min(4, d * bits // 64)  # V words a thread, words a load
+    c, m = t * 64 // d, d // 64  # classes, 64-channel blocks
+    for tid in range(128):
+        for f in range(t):
+            out[..., vc + 128 * u * (f // u) + u * tid + f % u] = r[
+                ..., vc + 128 * m * (f % c) + m * tid + f // c]  # fmt: skip
     for blk in range(4):
         base = kp + blk * (d // 2)
         for j in range(4):

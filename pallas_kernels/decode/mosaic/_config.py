@@ -22,7 +22,7 @@ def scaled_query(q_rot, softmax_scale, heads: int):
     return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 
-WARP_PROBES = ("probe_kp1", "probe_vc", "probe_kp1vc")  # the warp kernel's timing-only stages
+WARP_PROBES = ("probe_v1",)  # the warp kernel's timing-only stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +41,9 @@ class Int2DecodeConfig:
       for timing), "stream" (the TMA pipeline + the code words XOR-folded; for timing),
       "dequant" (K and V dequantized as in "full" but XOR-folded: no wgmma, no softmax),
       "nofma" (as "full" without the magic subtraction and the scale/zero FMA: wrong values,
-      timing only). Warp kernel, timing only (wrong values): "probe_kp1" loads the key
-      scales / zeros at record layout 1's addresses (2-way bank conflicts), "probe_vc" the
-      value codes by one 8-byte load an owner warp instead of 16 bytes (what a value-code
-      layout serving that load would save), "probe_kp1vc" both.
+      timing only). "probe_v1" (warp kernel, timing only, wrong values): the key params
+      and V code words loaded at record layout 1's addresses (key params with 2-way bank
+      conflicts, V words 16 bytes an owner and a select), the control for layout 2.
     auto_barriers: False sets Mosaic's ``unsafe_no_auto_barriers`` (no warpgroup barrier
       around every shared-memory store / async copy; the kernel's own ordering is: P stores
       -> commit_smem (fence + barrier) -> wgmma; a pipeline slot is refilled only after the

@@ -13,6 +13,7 @@ from oscar_jax.record import (
     offsets,
     pairs_per_word,
     thread_words,
+    value_code_word,
 )
 
 MAGIC = {"float16": (0x6400, 1024.0, 10), "bfloat16": (0x4300, 128.0, 7)}  # bits, value, mantissa
@@ -142,6 +143,17 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
             out += words(load4(rec_ref, row, at, per))
         return out[:n]
 
+    def value_code_words(rec_ref, row, tid):
+        """This thread's V code words (f = 0..T-1 at ``value_code_word(f, tid)``): one load
+        of the M = d / 64 contiguous words of each class f % C."""
+        c_, m_ = 16 // ppw, d // 64
+        out = [None] * nwords
+        for c in range(c_):
+            at = arith.addi(c32(_vc + value_code_word(c, 0, bits, d)), arith.muli(tid, c32(m_)))
+            for m, x in enumerate(words(load4(rec_ref, row, at, m_))):
+                out[m * c_ + c] = x
+        return out
+
     def tids():
         tid = arith.remui(mu.thread_idx(), c32(128))
         w = arith.divui(tid, c32(32))
@@ -266,7 +278,7 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
         mts = range(d // 64) if mts is None else mts
         shifted.clear()
         tid, w, j = tids()
-        cw = code_words(rec_ref, row, _vc, tid, nwords)
+        cw = value_code_words(rec_ref, row, tid)
         layout = fa.WGMMA_LAYOUT
         outs = []
         for mt in mts:
@@ -291,7 +303,7 @@ def dequant_ns(pdt, no_fma=False, unpack="shift", bits=2, d=128):
         """Stage 'stream': XOR of this thread's K and V code words (keeps the loads live)."""
         tid, w, j = tids()
         a = code_words(rec_ref, row, _kc, tid, nwords)
-        bw = code_words(rec_ref, row, _vc, tid, nwords)
+        bw = value_code_words(rec_ref, row, tid)
         x = a[0]
         for v in a[1:] + bw:
             x = arith.xori(x, v)

@@ -12,9 +12,10 @@ memory (C fragment -> ``movmatrix`` transpose -> B fragment):
 K's A fragments are the wgmma kernel's (a [64, D] wgmma A fragment is four stacked
 m16n8k16 A fragments, one a warp). V^T's are gathered across threads of the record: thread
 (w, l) needs channel 16 mt + l // 4 (+ 8), tokens 16 w + 2 (l % 4) (+ 1, + 8), which the
-record keeps in the words of thread (mt % 4, l) (``value_source``): at INT2 one 16-byte load
-a (owner, 64-channel block), the word picked by w // 2 and shifted by 8 (w % 2) bits; at INT4
-one 4-byte load of the owner's word 4 mt + w; then the usual in-place unpack. The carry is
+record keeps in the words of thread (mt % 4, l) (``value_source``): its words of class w // 2
+(INT2) or w (INT4), one a 64-channel block, sit contiguous (``record.value_code_word``), so a
+warp loads d / 64 words a lane an owner warp, the lanes contiguous; at INT2 the word is
+shifted by 8 (w % 2) bits; then the usual in-place unpack. The carry is
 per thread (m, l of its two heads, O^T's D / 4 f32); the 4 warps' partials are merged once
 at the end through shared memory. GQA g <= 8 (N = 8), INT2 and INT4 records; the query
 comes pre-permuted into B-fragment words (``query_fragments``).
@@ -26,7 +27,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oscar_jax.record import TILE, code_word, load_words, offsets, pairs_per_word, record_format
+from oscar_jax.record import (
+    TILE,
+    code_word,
+    load_words,
+    offsets,
+    pairs_per_word,
+    record_format,
+    value_code_word,
+)
 from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, scaled_query
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
 
@@ -125,7 +134,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
     u = load_words(bits, d)
     nmt16 = d // 16
     fold_k, fold_v = "k" in fold, "v" in fold
-    probe_kp1, probe_vc = "kp1" in probe, "vc" in probe  # timing only (``Int2DecodeConfig.stage``)
+    probe_v1 = probe == "v1"  # timing only (``Int2DecodeConfig.stage``)
 
     def i32():
         return ir.IntegerType.get_signless(32)
@@ -194,47 +203,49 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
                 at = arith.addi(pbase, c32(vp + d // 2 * sz + 16 * grp))
                 par[grp, sz] = words(load4(rec_ref, row, at, 2))  # [kh 0, kh 1]
         codes = {}
-        for mt16 in range(nmt16):
-            mt, wo = divmod(mt16, 4)
-            owner = arith.addi(lane, c32(32 * wo))
-            if bits == 4:
-                # the owner's word f = 4 mt + w (``value_source``): group f // u = mt, word w
-                # of it; one 4-byte load (the warp's lanes 4 words apart: 4 wavefronts, as a
-                # 16-byte load, without the selects)
-                at = arith.addi(arith.addi(c32(vc + 128 * u * mt), arith.muli(owner, c32(u))), w)
-                (codes[mt16],) = words(load4(rec_ref, row, at, 1))
-                continue
-            if probe_vc and u == 4:
-                # timing only: the two words a thread uses (mt 0, 1) by one 8-byte load, the
-                # warp's lanes contiguous (what a layout with those words adjacent would do)
-                if wo not in codes:
-                    at = arith.addi(arith.addi(c32(vc), arith.muli(owner, c32(2))),
-                                    arith.muli(arith.divui(w, c32(2)), c32(256)))  # fmt: skip
-                    codes[wo] = words(load4(rec_ref, row, at, 2))
-                continue
-            # INT2: the owner's word is 2 mt + w // 2: one 16-byte load a (owner warp,
-            # 64-channel block pair)
-            grp_load = 2 * mt // u
-            if (wo, grp_load) not in codes:
-                at = arith.addi(c32(vc + code_word(u * grp_load, 0, u)), arith.muli(owner, c32(u)))
-                codes[wo, grp_load] = words(load4(rec_ref, row, at, u))
+        if probe_v1:  # timing only: version 1's loads (``Int2DecodeConfig.stage``)
+            for mt16 in range(nmt16):
+                mt, wo = divmod(mt16, 4)
+                owner = arith.addi(lane, c32(32 * wo))
+                if bits == 4:  # the owner's word 4 mt + w at code_word(., owner, u)
+                    at = arith.addi(arith.addi(c32(vc + 128 * u * mt), arith.muli(owner, c32(u))),
+                                    w)  # fmt: skip
+                    (codes[mt16],) = words(load4(rec_ref, row, at, 1))
+                elif (wo, 2 * mt // u) not in codes:  # 16 bytes a (owner, 4 words), then a select
+                    at = arith.addi(c32(vc + code_word(u * (2 * mt // u), 0, u)),
+                                    arith.muli(owner, c32(u)))  # fmt: skip
+                    codes[wo, 2 * mt // u] = words(load4(rec_ref, row, at, u))
+            return par, codes
+        # the owner's words of class w // 2 (INT2) or w (INT4), one a 64-channel block mt
+        # (``value_source``, ``record.value_code_word``): M = d / 64 contiguous words a lane
+        m_ = d // 64
+        cls = w if bits == 4 else arith.divui(w, c32(2))
+        first = arith.addi(c32(vc), arith.muli(cls, c32(value_code_word(1, 0, bits, d))))
+        for wo in range(4):
+            at = arith.addi(first, arith.muli(arith.addi(lane, c32(32 * wo)), c32(m_)))
+            codes[wo] = words(load4(rec_ref, row, at, m_))  # [mt]
         return par, codes
 
     def value_words(codes, w):
         """{mt16: the code word whose planes 2 kh + rh hold this thread's V^T registers}:
-        INT4 the owner's word as loaded; INT2 the owner's word f0 = 2 mt (warps 0, 1) or
-        f0 + 1 (warps 2, 3), shifted right by 8 (w % 2) (``value_source``)."""
-        if bits == 4:
-            return codes
+        the owner's word of block mt as loaded, at INT2 shifted right by 8 (w % 2)
+        (``value_source``)."""
         sh = arith.muli(arith.remui(w, c32(2)), c32(8))
-        if probe_vc and u == 4:
-            return {mt16: arith.shrui(codes[mt16 % 4][mt16 // 4], sh) for mt16 in range(nmt16)}
-        hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
+        if probe_v1:
+            if bits == 4:
+                return codes
+            hi_word = arith.cmpi(arith.CmpIPredicate.uge, w, c32(2))
+            out = {}
+            for mt16 in range(nmt16):
+                mt, wo = divmod(mt16, 4)
+                ws = codes[wo, 2 * mt // u]
+                x = arith.select(hi_word, ws[2 * mt % u + 1], ws[2 * mt % u])
+                out[mt16] = arith.shrui(x, sh)
+            return out
         out = {}
         for mt16 in range(nmt16):
             mt, wo = divmod(mt16, 4)
-            ws = codes[wo, 2 * mt // u]
-            out[mt16] = arith.shrui(arith.select(hi_word, ws[2 * mt % u + 1], ws[2 * mt % u]), sh)
+            out[mt16] = codes[wo][mt] if bits == 4 else arith.shrui(codes[wo][mt], sh)
         return out
 
     def value_unpack(loads, w):
@@ -279,7 +290,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
         neg = cf(NEG)
         scores = []
         for r in range(nsub):
-            kload = ns.key_loads(rec_ref, r, probe_v1=probe_kp1)
+            kload = ns.key_loads(rec_ref, r, probe_v1=probe_v1)
             nv = [vector.extract(vector.load(ir.VectorType.get((1,), f32()), n_ref,
                                              [idx(r), idx(arith.addi(t0, c32(8 * hf)))]),
                                  [], [0]) for hf in range(2)]  # fmt: skip
