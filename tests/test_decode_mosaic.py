@@ -233,7 +233,6 @@ def test_warp_kernel_value_fragments_come_from_the_owners_words(param_dtype, d, 
                                 c.v_scale, c.v_zero, param_dtype=pdt, block_tokens=64)  # fmt: skip
     r = np.asarray(rec)[0]  # [H, n, W]
     _, vc_, _, vp_ = record.offsets(bits, d)
-    per = record.load_words(bits, d)
     cv = np.asarray(oj.unpack(c.v_codes, bits))[0].astype(np.float64)
     f64 = lambda x: np.asarray(x[0], np.float32).astype(np.float64)  # noqa: E731
     vs, vz = f64(c.v_scale), f64(c.v_zero)
@@ -516,6 +515,24 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
         for call in (mk.int2_decode_attention_2launch, mk.int2_decode_attention_fused):
             fn = jax.jit(lambda *a, call=call: call(*a, cfg=cfg))
             fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
+
+
+def test_layout_1_probe_is_a_warp_kernel_stage():
+    with pytest.raises(ValueError, match="probe of kernel='warp'"):
+        mk.Int2DecodeConfig(stage="probe_v1")
+    assert mk.Int2DecodeConfig(kernel="warp", stage="probe_v1").stage == "probe_v1"
+
+
+@pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("bits,d", [(2, 128), (4, 64), (2, 256)])
+def test_warp_kernel_layout_1_probe_lowers_for_sm90(bits, d):
+    """The timing control of record layout 2 (``stage="probe_v1"``: layout 1's loads)."""
+    cfg = mk.Int2DecodeConfig(kernel="warp", stage="probe_v1")
+    s = jax.ShapeDtypeStruct
+    q, rec = s((1, 2, 4, d), jnp.float32), s((1, 2, 16, record.record_words(bits, d)), jnp.uint32)
+    kn, nq = s((1, 2, 1024), jnp.float32), s((1,), jnp.int32)
+    f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg))
+    f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.usefixtures("lowering_stack")
