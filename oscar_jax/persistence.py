@@ -278,10 +278,12 @@ def _decode(node, path, header, data, take, mesh):
         if cfg.layout == "record" and got not in _RECORD_READS:
             raise _fail(path, f"a layout='record' cache of record layout version {got!r}; "
                         f"this reader knows {_RECORD_READS}")  # fmt: skip
-        fields = {f: rec(node["fields"][f]) for f in _KV_FIELDS}
-        if cfg.layout == "record" and got != RECORD_VERSION:  # an older layout: converted
-            up = lambda n, a, impl: take(n, upgrade_records(a, got), impl)  # noqa: E731
-            fields["k_codes"] = _decode(node["fields"]["k_codes"], path, header, data, up, mesh)
+        take_codes = take  # the records (k_codes) of an older layout are converted as read
+        if cfg.layout == "record" and got != RECORD_VERSION:
+            take_codes = lambda n, a, impl: take(n, upgrade_records(a, got), impl)  # noqa: E731
+        fields = {f: _decode(node["fields"][f], path, header, data,
+                             take_codes if f == "k_codes" else take, mesh)
+                  for f in _KV_FIELDS}  # fmt: skip
         return KVCache(**fields, cfg=cfg, max_len=int(node["max_len"]))
     if t == "node":
         name = node.get("name")
