@@ -7,6 +7,7 @@ and its CUDA plugin are installed. ``TestMosaicGPU`` runs the compiled kernel ag
 XLA reference on the H200 (skipped elsewhere).
 """
 
+import dataclasses
 import importlib.util
 import os
 
@@ -535,6 +536,11 @@ def test_warp_kernel_layout_1_probe_lowers_for_sm90(bits, d):
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
 
 
+def test_profile_dir_is_a_warp_kernel_knob():
+    with pytest.raises(ValueError, match="profile_dir='/tmp/x' is a knob of kernel='warp'"):
+        mk.Int2DecodeConfig(profile_dir="/tmp/x")
+
+
 @pytest.mark.usefixtures("lowering_stack")
 def test_folded_warp_kernel_refuses_bfloat16_parameters():
     cfg = mk.Int2DecodeConfig(kernel="warp", fold="v")
@@ -705,6 +711,35 @@ class TestMosaicGPU:
                 self._check(lengths, g, param_dtype, dict(knobs, kernel="warp", fold=fold))
             return
         self._check(lengths, g, param_dtype, dict(knobs, kernel="warp", fold=fold))
+
+    def test_profiled_warp_kernel_traces_its_phases(self, tmp_path):
+        """``profile_dir``: the same partials, and a trace of every CTA with one step region a
+        block it walked (Mosaic's profiler, written on the host after the call)."""
+        from benchmarks import mosaic_timeline as tl
+
+        lengths, g, d = [3000, 700], 4, D
+        c = _cache(9, 2, lengths, param_dtype="float16", max_len=4096 + 160, d=d)
+        qr = jax.random.normal(jax.random.PRNGKey(3), (2, 2, g, d), jnp.float32)
+        cfg = mk.Int2DecodeConfig(kernel="warp", block_tokens=256)
+        rec, kn, nq, _ = mk.kernel_inputs(c, block_tokens=cfg.block_tokens)
+        plain = jax.jit(lambda q: mk.int2_decode_partials(q, rec, kn, nq, cfg=cfg))(qr)
+        traced = jax.jit(
+            lambda q: mk.int2_decode_partials(
+                q, rec, kn, nq, cfg=dataclasses.replace(cfg, profile_dir=str(tmp_path))
+            )
+        )(qr)
+        jax.effects_barrier()
+        chex.assert_trees_all_close(traced, plain, atol=1e-5, rtol=1e-5)
+        (path,) = tmp_path.glob("*trace.json")
+        ctas = tl.read_trace(str(path))
+        bps, s = cfg.split_plan(2, 2, rec.shape[2] * 64)
+        assert len(ctas) == 2 * 2 * s
+        steps = sorted(sum(p[0] == "step" for p in c["phases"]) for c in ctas)
+        want = sorted(int(np.clip(-(-(n - si * bps * 256) // 256), 0, bps))
+                      for n in np.asarray(nq) for _ in range(2) for si in range(s))  # fmt: skip
+        assert steps == want
+        summary = tl.summarise(ctas, 1.98)
+        assert summary["ctas"] == len(ctas) and summary["span_us"] > 0
 
     def _check(self, lengths, g, param_dtype, knobs):
         knobs = dict(knobs)

@@ -153,3 +153,53 @@ def test_sass_offline_rejects_unknown_kernel():
 
     with pytest.raises(ValueError, match="what='merge'"):
         sass_offline.lower("merge", {})
+
+
+def _trace_file(tmp_path, ctas):
+    """A Mosaic profiler trace as its dump writes it: ts = (global-timer start in ns +
+    cycles since the CTA's first event) / 1e3, one tid a CTA, pid = 1 + SM."""
+    import json
+
+    ev = []
+    for tid, (sm, start_ns, phases) in enumerate(ctas):
+        marks = []
+        for name, b, e in phases:
+            marks += [(b, 1, 0, "B", name), (e, 0, -b, "E", name)]  # inner regions end first
+        for cyc, _, _, ph, name in sorted(marks, key=lambda m: m[:3]):
+            ev.append(dict(name=name, ph=ph, ts=(start_ns + cyc) / 1e3, pid=1 + sm, tid=1 + tid))
+    path = tmp_path / "k-1-trace.json"
+    path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": ev}))
+    return str(path)
+
+
+def test_mosaic_timeline_splits_a_cta_into_phases(tmp_path):
+    """benchmarks/mosaic_timeline.py: phases, waits between steps and CTA ends, from a trace
+    whose numbers are known (cycles at 2 GHz: 2,000 cycles = 1 us)."""
+    from benchmarks import mosaic_timeline as tl
+
+    one = [("query", 0, 2000), ("pipeline", 2000, 20000), ("step", 6000, 10000),
+           ("step", 12000, 16000), ("finish", 20000, 22000), ("store", 22000, 24000)]  # fmt: skip
+    two = [("query", 0, 2000), ("pipeline", 2000, 8000), ("step", 4000, 8000),
+           ("finish", 8000, 9000), ("store", 9000, 10000)]  # fmt: skip
+    path = _trace_file(tmp_path, [(0, 1_000_000, one), (0, 1_003_000, two)])
+    ctas = tl.read_trace(path)
+    assert [len(c["phases"]) for c in ctas] == [6, 5]
+    s = tl.summarise(ctas, 2.0)
+    assert s["ctas"] == 2 and s["ctas_per_sm"] == {2: 1}
+    assert s["start"]["max"] == 3.0  # us after the first CTA
+    assert s["fill"]["max"] == 2.0 and s["fill"]["min"] == 1.0  # pipeline start -> first step
+    assert s["step"]["med"] == 2.0 and s["gap"]["max"] == 1.0  # one wait of 2,000 cycles
+    assert s["drain"]["max"] == 2.0 and s["span"]["max"] == 12.0
+    assert s["span_us"] == 12.0  # CTA one ends at 12 us, CTA two at 3 + 5 = 8 us
+    assert s["step_by_index"] == [2.0, 2.0]
+
+
+def test_mosaic_timeline_unwraps_the_global_timer(tmp_path):
+    """The dump keeps the low 32 bits of the global timer: a CTA that starts after a wrap
+    reads as ~4.3 s early, and is put back after the others."""
+    from benchmarks import mosaic_timeline as tl
+
+    ph = [("query", 0, 100), ("pipeline", 100, 200), ("step", 100, 200)]
+    path = _trace_file(tmp_path, [(1, 2**32 - 500, ph), (2, 2**32 - 400, ph), (3, 300, ph)])
+    s = tl.summarise(tl.read_trace(path), 1.0)
+    assert s["start"]["max"] == 0.8  # 300 + 2**32 - (2**32 - 500) ns

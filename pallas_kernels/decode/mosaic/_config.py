@@ -65,6 +65,10 @@ class Int2DecodeConfig:
       the token scales folded into P), "kv" (both). Experimental: float16 parameters only;
       21% fewer instructions a step at "kv" but no faster on the H200 (the mma count
       triples; docs/mosaic_decode_notes.md, Run Y).
+    profile_dir: (warp kernel, diagnostics) a directory for Mosaic's per-CTA trace of the
+      kernel's phases (query load, each pipeline step, the end-of-CTA merge, the store;
+      %clock stamps from one thread a warpgroup, a Perfetto JSON file a call, written on
+      the host after each call; ``benchmarks.mosaic_timeline`` reads it). Empty: off.
     """
 
     block_tokens: int = 256
@@ -81,6 +85,7 @@ class Int2DecodeConfig:
     reduction_scratch: int = 2048
     kernel: str = "wgmma"
     fold: str = "none"
+    profile_dir: str = ""
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -101,6 +106,9 @@ class Int2DecodeConfig:
             raise ValueError(f"stage={self.stage!r} is a probe of kernel='warp': {self.kernel=}")
         if self.fold not in ("none", "k", "v", "kv"):
             raise ValueError(f"fold={self.fold!r} must be 'none', 'k', 'v' or 'kv'")
+        if self.profile_dir and self.kernel != "warp":
+            raise ValueError(f"profile_dir={self.profile_dir!r} is a knob of kernel='warp': "
+                             f"{self.kernel=}")  # fmt: skip
         if self.unpack not in ("shift", "lop", "lop3"):
             raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
 

@@ -483,12 +483,14 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         nqv = nq_ref[bi]
         start_blk = si * bps
         nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
-        plgpu.barrier_wait(q_bar)
-        qa = plgpu.inline_mgpu(
-            arg_types=(plgpu.RefType(),),
-            return_type=plgpu.ShapeDtypeStruct((128 * nw,), jnp.int32, layout=layq),
-        )(load_q)(q_smem)
+        # the named scopes are the phases of Mosaic's trace when ``cfg.profile_dir`` is set
+        with jax.named_scope("query"):
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+            plgpu.barrier_wait(q_bar)
+            qa = plgpu.inline_mgpu(
+                arg_types=(plgpu.RefType(),),
+                return_type=plgpu.ShapeDtypeStruct((128 * nw,), jnp.int32, layout=layq),
+            )(load_q)(q_smem)
         step_call = plgpu.inline_mgpu(
             arg_types=(plgpu.RefType(),) * 2 + (layq, layi, lay2, lay2, layo),
             return_type=(plgpu.ShapeDtypeStruct((256,), f32, layout=lay2),
@@ -499,8 +501,9 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         def body(idxs, r_smem, n_smem, carry):
             (it,) = idxs
             lim = nqv - (start_blk + it) * bt
-            lim_a = plgpu.layout_cast(jnp.full((128,), lim, jnp.int32), layi)
-            return step_call(r_smem, n_smem, qa, lim_a, *carry)
+            with jax.named_scope("step"):
+                lim_a = plgpu.layout_cast(jnp.full((128,), lim, jnp.int32), layi)
+                return step_call(r_smem, n_smem, qa, lim_a, *carry)
 
         init = (
             plgpu.layout_cast(jnp.full((256,), NEG, f32), lay2),
@@ -517,15 +520,22 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             max_concurrent_steps=cfg.max_concurrent_steps,
             init_carry=init,
         )
-        carry = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])
-        plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (lay2, lay2, layo))(finish)(
-            o_smem, ml_smem, xm_smem, *carry
-        )
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
-        plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
-        plgpu.wait_smem_to_gmem(0)
+        with jax.named_scope("pipeline"):
+            carry = pipe(rec_ref.at[bi, hi], kn_ref.at[bi, hi])
+        with jax.named_scope("finish"):
+            plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 3 + (lay2, lay2, layo))(finish)(
+                o_smem, ml_smem, xm_smem, *carry
+            )
+        with jax.named_scope("store"):
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
+            plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
+            plgpu.wait_smem_to_gmem(0)
 
+    profile = {}
+    if cfg.profile_dir:  # a region a phase and a step, a warpgroup: bps steps + 4 + slack
+        profile = dict(profile_space=bps + 8, profile_dir=cfg.profile_dir,
+                       profile_bounds_check=True)  # fmt: skip
     fn = plgpu.kernel(
         kernel,
         kernel_name=f"oscar_decode_int{bits}_warp_partials",  # its name in profiles and ncu -k
@@ -542,7 +552,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         ],
         grid=(b, h, s),
         grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **profile),
     )
     rec3 = rec.reshape(b, h, nrec, words // 64, 64)
     return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32))
