@@ -121,7 +121,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
     block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
     into the CTA's partials in shared memory)."""
     from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import arith, memref, vector
+    from jax._src.lib.mlir.dialects import arith, vector
     from jax.experimental.mosaic import gpu as mgpu
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     from jax.experimental.mosaic.gpu import utils as mu
@@ -389,54 +389,73 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
     def finish(ctx, o_ref, ml_ref, xm_ref, m_a, l_a, o_a):
         """The 4 warps' (m, l, O^T) -> the CTA's partials: o_ref [D / 64, 64, 16] f32 (O^T,
         heads >= 8 zero), ml_ref [2, 16] (max in log2 units, NEG for heads >= 8 or an
-        empty split; row sums); xm_ref [4, 8] f32 scratch."""
+        empty split; row sums); xm_ref [2, 4, 8] f32 scratch (each warp's max and sum).
+
+        No shared-memory atomics: f32 atomics on shared memory are compare-and-swap spin
+        loops, and 4 warps on the same words made this merge ~10 us a CTA (Run AB). Each warp
+        publishes its max and sum, then the warps add their rescaled O^T into o_ref in turn
+        (warp 0 stores, 1-3 load, add and store; a barrier between turns): deterministic."""
         del ctx
         m, lsum, o = scalars(m_a), scalars(l_a), scalars(o_a)
         tid, w, j, lane, gid = lanes()
+        vec1 = ir.VectorType.get((1,), f32())
         zero = vector.broadcast(ir.VectorType.get((4,), f32()), cf(0.0))
-        per = d * NPAD // 128  # floats of o_ref a thread zeroes
+        per = d * NPAD // 128  # floats of o_ref a thread zeroes (heads >= 8 stay zero)
         for k in range(per // 4):
             e = arith.addi(arith.muli(tid, c32(per)), c32(4 * k))
             mt = arith.divui(e, c32(TILE * NPAD))
             row = arith.divui(arith.remui(e, c32(TILE * NPAD)), c32(NPAD))
             col = arith.remui(e, c32(NPAD))
             vector.store(zero, o_ref, [idx(mt), idx(row), idx(col)])
-        col = arith.remui(tid, c32(NPAD))
-        for c in range(2):  # every lane of a column writes the same value
-            vector.store(vector.broadcast(ir.VectorType.get((1,), f32()), m[c]), xm_ref,
-                         [idx(w), idx(arith.addi(arith.muli(j, c32(2)), c32(c)))])  # fmt: skip
-        # ml_ref: m NEG, l 0 (the warps add their scaled sums below)
-        vector.store(vector.broadcast(ir.VectorType.get((1,), f32()), cf(NEG)), ml_ref,
-                     [idx(c32(0)), idx(col)])  # fmt: skip
-        vector.store(vector.broadcast(ir.VectorType.get((1,), f32()), cf(0.0)), ml_ref,
-                     [idx(c32(1)), idx(col)])  # fmt: skip
-        mu.warpgroup_barrier()
-        fac = []
-        for c in range(2):
-            hcol = arith.addi(arith.muli(j, c32(2)), c32(c))
-            mx = None
-            for wo in range(4):
-                x = vector.extract(vector.load(ir.VectorType.get((1,), f32()), xm_ref,
-                                               [idx(wo), idx(hcol)]), [], [0])  # fmt: skip
-                mx = x if mx is None else arith.maximumf(mx, x)
-            fac.append(ex2(arith.subf(m[c], mx)))
+        for c in range(2):  # every lane of a column holds the same max; the sum over its rows
             ls = lsum[c]
             for x in (4, 8, 16):
                 ls = arith.addf(ls, shfl_xor(ls, x))
-            add = arith.mulf(ls, fac[c])
-            # the lanes of row group 0 add their column's sum (the others add 0); every
-            # thread of the column holds the same max
-            lead = arith.cmpi(arith.CmpIPredicate.eq, gid, c32(0))
-            memref.atomic_rmw(arith.AtomicRMWKind.addf, arith.select(lead, add, cf(0.0)),
-                              ml_ref, [idx(c32(1)), idx(hcol)])  # fmt: skip
-            memref.atomic_rmw(arith.AtomicRMWKind.maximumf, mx, ml_ref, [idx(c32(0)), idx(hcol)])
-        for mt16 in range(nmt16):
-            mt, sub = divmod(mt16, 4)
-            for i in range(4):
-                row = arith.addi(gid, c32(16 * sub + 8 * (i // 2)))
-                hcol = arith.addi(arith.muli(j, c32(2)), c32(i % 2))
-                memref.atomic_rmw(arith.AtomicRMWKind.addf, arith.mulf(o[4 * mt16 + i],
-                                  fac[i % 2]), o_ref, [idx(mt), idx(row), idx(hcol)])  # fmt: skip
+            hcol = idx(arith.addi(arith.muli(j, c32(2)), c32(c)))
+            vector.store(vector.broadcast(vec1, m[c]), xm_ref, [idx(c32(0)), idx(w), hcol])
+            vector.store(vector.broadcast(vec1, ls), xm_ref, [idx(c32(1)), idx(w), hcol])
+        mu.warpgroup_barrier()  # the zeros and every warp's (max, sum) visible
+
+        def xm(k, wo, col):
+            return vector.extract(vector.load(vec1, xm_ref, [idx(c32(k)), idx(c32(wo)), idx(col)]),
+                                  [], [0])  # fmt: skip
+
+        def col_max(col):
+            mx = xm(0, 0, col)
+            for wo in range(1, 4):
+                mx = arith.maximumf(mx, xm(0, wo, col))
+            return mx
+
+        fac = []
+        for c in range(2):
+            mx = col_max(arith.addi(arith.muli(j, c32(2)), c32(c)))
+            fac.append(ex2(arith.subf(m[c], mx)))
+        # ml_ref: threads 0..15 write column tid (heads >= 8: NEG and 0)
+        col = arith.remui(tid, c32(NW))
+        mx = col_max(col)
+        ltot = None
+        for wo in range(4):
+            x = arith.mulf(xm(1, wo, col), ex2(arith.subf(xm(0, wo, col), mx)))
+            ltot = x if ltot is None else arith.addf(ltot, x)
+        live = arith.cmpi(arith.CmpIPredicate.ult, tid, c32(NW))
+        with mu.when(arith.cmpi(arith.CmpIPredicate.ult, tid, c32(NPAD))):
+            for k, v in ((0, arith.select(live, mx, cf(NEG))),
+                         (1, arith.select(live, ltot, cf(0.0)))):  # fmt: skip
+                vector.store(vector.broadcast(vec1, v), ml_ref, [idx(c32(k)), idx(tid)])
+        for turn in range(4):
+            with mu.when(arith.cmpi(arith.CmpIPredicate.eq, w, c32(turn))):
+                for mt16 in range(nmt16):
+                    mt, sub = divmod(mt16, 4)
+                    for i in range(4):
+                        row = arith.addi(gid, c32(16 * sub + 8 * (i // 2)))
+                        at = [idx(c32(mt)), idx(row),
+                              idx(arith.addi(arith.muli(j, c32(2)), c32(i % 2)))]  # fmt: skip
+                        v = arith.mulf(o[4 * mt16 + i], fac[i % 2])
+                        if turn:
+                            v = arith.addf(vector.extract(vector.load(vec1, o_ref, at), [], [0]), v)
+                        vector.store(vector.broadcast(vec1, v), o_ref, at)
+            if turn < 3:
+                mu.warpgroup_barrier()
         return None
 
     return load_q, step, finish
@@ -547,7 +566,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             plgpu.SMEM((32, nw), jnp.uint32),
             plgpu.SMEM((nmt, TILE, NPAD), f32),
             plgpu.SMEM((2, NPAD), f32),
-            plgpu.SMEM((4, NW), f32),
+            plgpu.SMEM((2, 4, NW), f32),
             plgpu.Barrier(num_arrivals=1),
         ],
         grid=(b, h, s),
