@@ -609,12 +609,12 @@ def test_default_config_fits_the_stages_in_shared_memory():
         rec = record.record_words(b, d) * 4 + 256
         assert c.max_concurrent_steps * rec * c.block_tokens // 64 <= mk.STAGE_BYTES
         assert c.kernel == "wgmma"  # short rows
-    # long rows: the warp kernel where it covers the cache (INT2, head_dim <= 128, g <= 8)
+    # long rows: the warp kernel where it covers the cache (head_dim <= 128, g <= 8)
     n = mk.WARP_MIN_CAPACITY
     kernels = {(b, d, g): mk.default_config(n, b, d, g).kernel
                for b in (2, 4) for d in (64, 128, 256) for g in (None, 8, 9)}  # fmt: skip
     assert {k for k, v in kernels.items() if v == "warp"} == {
-        (2, d, g) for d in (64, 128) for g in (None, 8)
+        (b, d, g) for b in (2, 4) for d in (64, 128) for g in (None, 8)
     }
 
 

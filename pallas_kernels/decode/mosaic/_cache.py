@@ -45,7 +45,7 @@ def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
 STAGE_BYTES = 86_000  # shared memory for the TMA stages of one program (two an SM)
 
 
-WARP_MIN_CAPACITY = 16384  # quantized tokens from which INT2 takes the warp-level kernel
+WARP_MIN_CAPACITY = 16384  # quantized tokens from which the warp-level kernel is the default
 
 
 def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
@@ -56,17 +56,19 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
     tokens x 3 stages (80 KB), INT4 (1.6x the bytes) 256 x 2, so that two programs an SM
     fit its 228 KB of shared memory; head_dim 256 takes 128-token blocks.
 
-    The kernel: the warp-level one (``kernel="warp"``) for INT2 at head_dim <= 128 with g <=
-    8 query heads a KV head (None: not known, taken as <= 8) from ``WARP_MIN_CAPACITY``
-    quantized tokens, where it was measured 4-9% faster than the wgmma kernel on the H200
-    (1 x 128K, 8 x 32K; BENCHMARKS.md); the wgmma kernel elsewhere (at 48 x 4K it was 9%
-    faster; at head_dim 256 level or better)."""
+    The kernel: the warp-level one (``kernel="warp"``) for INT2 and INT4 at head_dim <= 128
+    with g <= 8 query heads a KV head (None: not known, taken as <= 8) from
+    ``WARP_MIN_CAPACITY`` quantized tokens; the wgmma kernel elsewhere. Measured on an H100
+    (BENCHMARKS.md, CUPTI): INT2 warp 48.8 us at 1 x 128K; INT4 warp 71.5 against wgmma
+    75.4 us at 1 x 128K and 39.6 against 42.0 at 1 x 64K. At 48 x 4K the INT2 warp kernel
+    measured 76.3 against 92.3 us, so the threshold could come down; it stays until the
+    short-row paths (sharded partials, 1 x 4K) are timed and checked compiled with it.
+    """
     rec = record_words(bits, head_dim) * 4 + TILE * 4  # a record and its norms, bytes
     fits = [b for b in (256, 128, 64) if capacity % b == 0]
     block = next((b for b in fits if 2 * rec * b // TILE <= STAGE_BYTES), fits[-1])
     stages = max(1, min(3, STAGE_BYTES // (rec * block // TILE)))
-    warp = (bits == 2 and head_dim <= 128 and (g is None or g <= 8)
-            and capacity >= WARP_MIN_CAPACITY)  # fmt: skip
+    warp = head_dim <= 128 and (g is None or g <= 8) and capacity >= WARP_MIN_CAPACITY
     return Int2DecodeConfig(block_tokens=block, max_concurrent_steps=stages,
                             kernel="warp" if warp else "wgmma")  # fmt: skip
 
