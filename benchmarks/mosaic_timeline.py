@@ -31,6 +31,10 @@ import numpy as np
 from benchmarks.bench_mosaic import HKV, HQ, random_cache
 from pallas_kernels.decode import mosaic as K
 
+STATS = ("min", "p10", "med", "p90", "max")
+PHASES = ("start", "query", "fill", "step", "gap", "busy", "waits", "drain", "finish", "store",
+          "span", "end")  # fmt: skip
+
 
 def read_trace(path: str) -> list[dict]:
     """One dict a CTA: start (ns on the global timer, low 32 bits), sm, and its phases as
@@ -110,11 +114,6 @@ def summarise(ctas: list[dict], ghz: float) -> dict:
     out["ctas_per_sm"] = {int(n): int((sms == n).sum()) for n in np.unique(sms)}
     out["span_us"] = max(r["end"] for r in rows)
     return out
-
-
-STATS = ("min", "p10", "med", "p90", "max")
-PHASES = ("start", "query", "fill", "step", "gap", "busy", "waits", "drain", "finish", "store",
-          "span", "end")  # fmt: skip
 
 
 def run(shape: str, options: dict, ghz: float, calls: int) -> dict:
