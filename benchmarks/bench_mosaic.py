@@ -1,6 +1,9 @@
 # ruff: noqa: E501, B905, B023  (wide result tables; the jitted closures run in their loop)
 """Device-side timing (CUPTI via jax.experimental.mosaic.gpu.profiler.measure; medians) of
 the Mosaic GPU INT2 / INT4 decode (variant key bits=4) against cuDNN BF16, XLA einsum BF16 and an XLA copy, in one run.
+Calls: "callX" the partials kernel + the ring and merge in XLA; "call2" + the ring and merge in
+a second Mosaic launch; "call3" the ring as the partials kernel's last split + a second launch
+that merges the splits (``ring_in_kernel=True``).
 
 Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128 (``HEAD_DIM=64`` or ``256`` in
 the environment for the other head sizes). INT2: L - 128 quantized
@@ -182,9 +185,8 @@ def run_shape(b, L, variants, copies):
         # the backend's defaults for this record size (default_config), the variant's knobs over them
         cfg = dataclasses.replace(K.default_config(1 << 20, bits, DH), **kw)
         bt = cfg.block_tokens
-        recs = [
-            jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))(c) for c in cache_sets(bits)
-        ]
+        layout = jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))  # compiled once
+        recs = [layout(c) for c in cache_sets(bits)]
         rec_l = [r for r, _ in recs]
         kn_l = [n for _, n in recs]
         # bytes the kernel must read: records + norms of the quantized tokens, q, ring
@@ -207,11 +209,24 @@ def run_shape(b, L, variants, copies):
             return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
+        @jax.jit
+        def full3(q, recs, kns):
+            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg,
+                                                    ring_in_kernel=True)
+                    for r, n in zip(recs, kns)]  # fmt: skip
+
+        nan = float("nan")
         try:
             t_part = med(part, q, rec_l, kn_l) / copies
             t_full = med(full, q, rec_l, kn_l) / copies
-            t_full2 = med(full2, q, rec_l, kn_l) / copies if cfg.stage == "full" else float("nan")
+            t_full2 = med(full2, q, rec_l, kn_l) / copies if cfg.stage == "full" else nan
+            t_full3 = med(full3, q, rec_l, kn_l) / copies if cfg.stage == "full" else nan
             det = med(full2, q, rec_l[:1], kn_l[:1], detail=True, iters=5)
+            det3 = (
+                med(full3, q, rec_l[:1], kn_l[:1], detail=True, iters=5)
+                if cfg.stage == "full"
+                else {}
+            )
         except Exception as e:  # noqa: BLE001
             print(json.dumps(dict(shape=f"{b}x{L}", variant=vs, error=repr(e)[:600])), flush=True)
             continue
@@ -222,7 +237,9 @@ def run_shape(b, L, variants, copies):
                    call_frac_copy=int2_bytes / t_full / 1e3 / copy_rate,
                    x_vs_fastest_bf16_call=fastest / t_full, x_vs_cudnn_call=t_cudnn / t_full,
                    x_vs_xla_call=t_xla / t_full, call2_us=t_full2, x_vs_fastest_bf16_call2=fastest / t_full2,
-                   call2_frac_copy=int2_bytes / t_full2 / 1e3 / copy_rate, kernels_call2=det)  # fmt: skip
+                   call2_frac_copy=int2_bytes / t_full2 / 1e3 / copy_rate, kernels_call2=det,
+                   call3_us=t_full3, x_vs_fastest_bf16_call3=fastest / t_full3,
+                   x_vs_cudnn_call3=t_cudnn / t_full3, kernels_call3=det3)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         del recs, rec_l, kn_l
@@ -239,12 +256,12 @@ if __name__ == "__main__":
         run_shape(b, L, variants, copies)
     print(f"bench done in {time.time() - t0:.0f}s")
     print(
-        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5}"
+        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5}"
     )
     for r in rows:
         print(
-            f"{r['shape']:>9} {r['variant'][:30]:>30} {r['kernel_us']:6.1f} {r['call_us']:6.1f} {r['call2_us']:6.1f} {r['kernel_GBps']:5.0f} "
-            f"{100 * r['kernel_frac_copy']:5.1f}% {100 * r['call2_frac_copy']:5.1f}% {r['cudnn_us']:6.1f} {r['xla_us']:6.1f} {r['x_vs_fastest_bf16_call']:5.2f} {r['x_vs_fastest_bf16_call2']:5.2f}"
+            f"{r['shape']:>9} {r['variant'][:30]:>30} {r['kernel_us']:6.1f} {r['call_us']:6.1f} {r['call2_us']:6.1f} {r['call3_us']:6.1f} {r['kernel_GBps']:5.0f} "
+            f"{100 * r['kernel_frac_copy']:5.1f}% {100 * r['call2_frac_copy']:5.1f}% {r['cudnn_us']:6.1f} {r['xla_us']:6.1f} {r['x_vs_fastest_bf16_call']:5.2f} {r['x_vs_fastest_bf16_call2']:5.2f} {r['x_vs_fastest_bf16_call3']:5.2f}"
         )
     if os.environ.get("OUT"):
         tag = os.environ.get("TAG", "bench")

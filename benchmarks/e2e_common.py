@@ -105,11 +105,18 @@ def _mosaic_two_launches(q, cache, *, softmax_scale=None, **options):
     return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, merge="mosaic")
 
 
+def _mosaic_ring_split(q, cache, *, softmax_scale=None, **options):
+    """The "mosaic" backend with the ring as one more split of the partials kernel and the
+    splits merged by a second Mosaic launch (``merge="fused_mosaic"``)."""
+    return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, merge="fused_mosaic")
+
+
 # attention baselines of the benchmarks, passed to the library as callables
 BASELINES = {
     "bench_skip": _skip_attention,
     "cudnn": _cudnn_attention,
     "mosaic2": _mosaic_two_launches,
+    "mosaic_rs": _mosaic_ring_split,
 }
 
 

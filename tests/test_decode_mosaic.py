@@ -8,6 +8,7 @@ XLA reference on the H200 (skipped elsewhere).
 """
 
 import dataclasses
+import functools
 import importlib.util
 import os
 
@@ -29,6 +30,7 @@ from pallas_kernels.decode.mosaic import _warp as mk_warp
 
 D = 128
 PT = "per_token"
+FM = "fused_mosaic"  # the ring as the partials kernel's last split, the splits merged by Mosaic
 
 
 def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, bits=2, d=D, **kw):
@@ -513,7 +515,12 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
     if stage == "full":
         ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
                 s((b, 160), jnp.bool_))  # fmt: skip
-        for call in (mk.int2_decode_attention_2launch, mk.int2_decode_attention_fused):
+        calls = (
+            mk.int2_decode_attention_2launch,
+            mk.int2_decode_attention_fused,
+            functools.partial(mk.int2_decode_attention_2launch, ring_in_kernel=True),
+        )
+        for call in calls:
             fn = jax.jit(lambda *a, call=call: call(*a, cfg=cfg))
             fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
 
@@ -571,13 +578,20 @@ def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, fold):
     kn, nq = s((b, h, lq), jnp.float32), s((b,), jnp.int32)
     f = jax.jit(lambda q, r, n, nq: mk.int2_decode_partials(q, r, n, nq, cfg=cfg, param_dtype=pdt))
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
+    if fold == "none":  # the ring as the last split (wgmma in a CTA of the warp kernel)
+        ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
+                s((b, 160), jnp.bool_))  # fmt: skip
+        fn = jax.jit(lambda *a: mk.int2_decode_attention_2launch(
+            *a, cfg=cfg, param_dtype=pdt, ring_in_kernel=True))  # fmt: skip
+        fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("merge,rotate_values,bits,d", [
     ("xla", True, 2, 128), ("mosaic", False, 2, 128), ("xla", True, 4, 128),
     ("mosaic", False, 4, 128), ("xla", True, 2, 64), ("mosaic", False, 4, 256),
-    ("fused", True, 2, 128), ("fused", False, 4, 64),
+    ("fused", True, 2, 128), ("fused", False, 4, 64), ("fused_mosaic", False, 2, 128),
+    ("fused_mosaic", False, 4, 256),
 ])  # fmt: skip
 def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits, d):
     """The "mosaic" backend's call on a layout='record' cache (its arrays read as they are)."""
@@ -587,15 +601,31 @@ def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits, d
 
 
 @pytest.mark.usefixtures("lowering_stack")
-@pytest.mark.parametrize("merge,kernel", [("auto", "warp"), ("fused", "wgmma")])
-def test_backend_on_long_rows_lowers_the_default_kernel(merge, kernel):
+@pytest.mark.parametrize("merge,launches", [
+    ("auto", ["oscar_decode_int2_warp_partials"]),
+    ("fused", ["oscar_decode_int2_warp_partials"]),
+    ("mosaic", ["oscar_decode_int2_warp_partials", "oscar_decode_int2_ring_merge"]),
+    ("fused_mosaic", ["oscar_decode_int2_warp_partials", "oscar_decode_split_merge"]),
+])  # fmt: skip
+def test_backend_on_long_rows_lowers_the_default_kernel(merge, launches):
     """A record cache of >= WARP_MIN_CAPACITY quantized tokens: the backend's default call
-    lowers with the warp kernel (the wgmma kernel for the fused ring split)."""
-    c = _cache(9, 2, [16600, 2900], max_len=mk.WARP_MIN_CAPACITY + 512, layout="record")
+    lowers with the warp kernel under every merge (its ring split under "fused" and
+    "fused_mosaic"), and the second launch's kind follows the merge."""
+    c = _cache(9, 2, [16600, 2900], max_len=mk.WARP_MIN_CAPACITY + 512, layout="record",
+               rotate_values=merge not in ("mosaic", "fused_mosaic"))  # fmt: skip
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))
     text = fn.trace(query(4, 2, 8, D), c).lower(lowering_platforms=("cuda",)).as_text()
-    assert ("oscar_decode_int2_warp_partials" in text) == (kernel == "warp")
-    assert "oscar_decode_int2_partials" in text or kernel == "warp"
+    names = ("oscar_decode_int2_warp_partials", "oscar_decode_int2_partials",
+             "oscar_decode_int2_ring_merge", "oscar_decode_split_merge")  # fmt: skip
+    assert [n for n in names if n in text] == launches
+
+
+@pytest.mark.parametrize("merge", ["mosaic", "fused_mosaic"])
+def test_mosaic_merges_refuse_rotated_values(merge):
+    """The second launch merges the splits as they are (no un-rotation of the values)."""
+    c = _cache(9, 1, [600], layout="record")  # rotate_values=True
+    with pytest.raises(ValueError, match=f"merge='{merge}' needs values stored unrotated"):
+        mk.decode_attention_mosaic(query(4, 1, 4, D), c, merge=merge)
 
 
 def test_default_config_fits_the_stages_in_shared_memory():
@@ -755,13 +785,15 @@ class TestMosaicGPU:
 
     @pytest.mark.parametrize("g,param_dtype,d,merge", [
         (4, "float16", 128, "auto"), (7, "bfloat16", 64, "mosaic"), (3, "float16", 128, "fused"),
+        (8, "bfloat16", 128, "fused_mosaic"),
     ])  # fmt: skip
     def test_default_config_on_long_rows_matches_xla(self, g, param_dtype, d, merge):
         """A record cache of >= WARP_MIN_CAPACITY quantized tokens: the backend's default
-        (the warp kernel; the wgmma kernel for the fused ring split) against XLA."""
+        (the warp kernel, with its ring split under "fused" / "fused_mosaic") against XLA."""
         lengths = [16600, 2900, 0]
         c = _cache(9, 3, lengths, param_dtype=param_dtype, max_len=mk.WARP_MIN_CAPACITY + 512,
-                   d=d, layout="record", rotate_values=merge != "mosaic")  # fmt: skip
+                   d=d, layout="record",
+                   rotate_values=merge not in ("mosaic", "fused_mosaic"))  # fmt: skip
         assert mk.default_config(c.quant_capacity, 2, d, g).kernel == "warp"
         q = query(4, 3, 2 * g, d, _qdtype(param_dtype))
         got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))(q, c)
@@ -812,18 +844,31 @@ class TestMosaicGPU:
             ([990, 481], 3, "float16", dict(d=64)),
             ([3100, 33], 8, "bfloat16", dict(d=256, bits=4, rotate_values=False)),
             ([2900, 0, 77], 6, "float16", dict(bits=4, d=64, block_tokens=64)),
+            # the warp kernel's ring split (a wgmma walk in one of its CTAs); XLA or Mosaic merge
+            ([3000, 0, 150], 4, "float16", dict(kernel="warp")),
+            ([2000, 1999], 7, "bfloat16", dict(kernel="warp", block_tokens=128, bits=4)),
+            ([990, 481], 8, "float16", dict(kernel="warp", d=64, rotate_values=False, merge=FM)),
+            (
+                [3100, 0, 33],
+                3,
+                "bfloat16",
+                dict(kernel="warp", rotate_values=False, bits=4, merge=FM),
+            ),
+            ([2900, 77], 1, "float16", dict(rotate_values=False, merge=FM)),
         ],
     )
     def test_fused_ring_split_matches_xla(self, lengths, g, param_dtype, kw):
-        """merge="fused": the ring walked by one more split of the partials kernel."""
+        """merge="fused" / "fused_mosaic": the ring walked by one more split of the partials
+        kernel, the splits merged in XLA / by the second launch."""
         kw = dict(kw)
-        knobs = {k: kw.pop(k) for k in ("block_tokens",) if k in kw}
+        merge = kw.pop("merge", "fused")
+        knobs = {k: kw.pop(k) for k in ("block_tokens", "kernel") if k in kw}
         d = kw.get("d", D)
         c = _cache(sum(lengths) + 3, len(lengths), lengths, param_dtype=param_dtype,
                    max_len=4096 + 160, **kw)  # fmt: skip
         q = query(len(lengths) + 3, len(lengths), 2 * g, d, _qdtype(param_dtype))
         cfg = mk.Int2DecodeConfig(**knobs) if knobs else None
-        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge="fused",
+        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge=merge,
                                                               convert=True))(q, c)  # fmt: skip
         want = oj.decode_attention(q, c, implementation="xla")
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
@@ -846,6 +891,10 @@ class TestMosaicGPU:
             (24, "xla", dict(d=256, block_tokens=128)),
             (48, "xla", dict(kernel="warp", block_tokens=128)),
             (48, "mosaic", dict(kernel="warp", block_tokens=128)),
+            (48, "fused_mosaic", dict(kernel="warp", block_tokens=128)),
+            (48, "fused", dict(kernel="warp")),
+            (16, "fused_mosaic", dict(kernel="warp", splits=1)),
+            (24, "fused_mosaic", dict(kernel="warp", bits=4, block_tokens=128)),
         ],
     )
     def test_many_rows_match_xla(self, b, merge, knobs):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax.numpy as jnp
 
@@ -19,7 +18,10 @@ from pallas_kernels.decode.mosaic._merge import (
     weigh_splits,
 )
 
-MERGES = ("auto", "xla", "mosaic", "fused")  # how the ring and the splits are merged
+# how the ring and the splits are merged: "xla" both in XLA; "mosaic" both in a second
+# Mosaic launch; "fused" the ring as one more split of the partials kernel, the splits merged
+# in XLA; "fused_mosaic" the same ring split, the splits merged by the second launch
+MERGES = ("auto", "xla", "mosaic", "fused", "fused_mosaic")
 
 
 def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
@@ -108,7 +110,8 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     ``merge_partials_with_ring``, ``"mosaic"`` by the second Mosaic launch
     (``int2_decode_attention_2launch``; values must not be rotated), ``"fused"`` the ring as
     one more split of the partials kernel and one XLA merge of the splits
-    (``int2_decode_attention_fused``), ``"auto"`` XLA: end to
+    (``int2_decode_attention_fused``), ``"fused_mosaic"`` that ring split and the second
+    launch's merge of the splits (values not rotated), ``"auto"`` XLA: end to
     end the XLA merge is 3% faster at 1 x 128K and level at the largest batch at 32K
     (BENCHMARKS.md, both merges in one run). INT2 or INT4 records (the cache's bits). NaN for
     FLAG_NONFINITE rows as the library's attention. ValueError for a cache
@@ -121,23 +124,22 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     if merge not in MERGES:
         raise ValueError(f"{merge=} must be one of {MERGES}")
     kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
-    if merge == "mosaic" and kcfg.rotate_values:
-        raise ValueError("merge='mosaic' needs values stored unrotated (rotate_values=False)")
+    if merge in ("mosaic", "fused_mosaic") and kcfg.rotate_values:
+        raise ValueError(f"{merge=} needs values stored unrotated (rotate_values=False)")
     if merge == "auto":
         merge = "xla"
     pdt = jnp.dtype(kcfg.scale_dtype)
     if cfg is None:
         cfg = default_config(cache.quant_capacity, kcfg.bits, cache.head_dim, g)
-        if merge == "fused":  # the ring split is the wgmma kernel's
-            cfg = dataclasses.replace(cfg, kernel="wgmma")
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
     # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
     q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
-    if merge == "mosaic":
+    if merge in ("mosaic", "fused_mosaic"):
         out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
                                             ring_valid, cfg=cfg, softmax_scale=softmax_scale,
-                                            param_dtype=pdt)  # fmt: skip
+                                            param_dtype=pdt,
+                                            ring_in_kernel=merge == "fused_mosaic")  # fmt: skip
     else:
         unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
         call = int2_decode_attention_fused if merge == "fused" else int2_decode_attention

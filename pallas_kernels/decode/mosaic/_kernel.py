@@ -43,10 +43,10 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     if cfg.kernel == "warp":
-        if ring is not None or cfg.stage not in ("full", *WARP_PROBES):
-            raise ValueError("the warp kernel has no ring split (merge='fused') and no stages")
+        if cfg.stage not in ("full", *WARP_PROBES):
+            raise ValueError(f"the warp kernel has no stage {cfg.stage!r}")
         return warp_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
-                                    param_dtype=param_dtype)  # fmt: skip
+                                    param_dtype=param_dtype, ring=ring)  # fmt: skip
     b, h, g, d = q_rot.shape
     _, _, nrec, words = rec.shape
     bits, d_rec = record_format(words)

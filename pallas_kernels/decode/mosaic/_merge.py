@@ -116,7 +116,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     partials kernel: O^T channel blocks; running max in log2 units and row sums);
     q_ring_t [B, H, D, NPAD] in the ring's dtype (query^T, original basis, scaled by
     softmax_scale * log2(e), heads past g zero); k_res, v_res [B, H, R, D] bfloat16 or
-    float16; ring_mask [B, Rp] f32 (1 valid slot, 0 not), Rp = R rounded up to 64.
+    float16; ring_mask [B, Rp] f32 (1 valid slot, 0 not), Rp = R rounded up to 64. All four
+    None: no ring (the partials kernel walked it as its last split): the splits' merge only.
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token).
     One CTA (one warpgroup) per (b, h, channel block c): ring tiles of 64 slots through
     wgmma (A = K tile / V^T tile of block c from shared memory; each block's CTA computes
@@ -127,29 +128,37 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, h, s, nmt, _, _ = acc.shape
-    r, d = k_res.shape[2:]
-    rdt = k_res.dtype
+    d = nmt * TILE
+    has_ring = q_ring_t is not None
     f32 = jnp.float32
     WG = plgpu.Layout.WGMMA
     b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 
-    def kernel(
-        acc_ref, ml_ref, q_ref, k_ref, v_ref, mask_ref, out_ref, q_smem, p_smem, o_smem, q_bar
-    ):
+    def kernel(acc_ref, ml_ref, *refs):
+        if has_ring:
+            q_ref, k_ref, v_ref, mask_ref, out_ref, o_smem, q_smem, p_smem, q_bar = refs
+        else:
+            out_ref, o_smem = refs
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
         ci = jax.lax.axis_index("c")
-        plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
-        plgpu.barrier_wait(q_bar)
-        m, l_acc, o = ring_walk(q_smem, p_smem, k_ref.at[bi, hi], v_ref.at[bi, hi],
-                                mask_ref.at[bi], (ci,), slots=r)  # fmt: skip
-        lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
-        # The splits' pipeline's first TMA copies (async proxy) land in scoped shared memory
-        # that the ring's pipeline and this cross-warp sum's scratch just used through plain
-        # stores and loads (generic proxy). Without a proxy fence (commit_smem: fence.proxy.async
-        # + barrier) those copies and the earlier stores are unordered: on the H200 some
-        # rows came out wrong at 16-48 rows x 8 heads (several CTAs an SM), right with it.
-        plgpu.commit_smem()
+        if has_ring:
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+            plgpu.barrier_wait(q_bar)
+            m, l_acc, o = ring_walk(q_smem, p_smem, k_ref.at[bi, hi], v_ref.at[bi, hi],
+                                    mask_ref.at[bi], (ci,), slots=k_res.shape[2])  # fmt: skip
+            lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
+            # The splits' pipeline's first TMA copies (async proxy) land in scoped shared
+            # memory that the ring's pipeline and this cross-warp sum's scratch just used
+            # through plain stores and loads (generic proxy). Without a proxy fence
+            # (commit_smem: fence.proxy.async + barrier) those copies and the earlier stores
+            # are unordered: on the H200 some rows came out wrong at 16-48 rows x 8 heads
+            # (several CTAs an SM), right with it.
+            plgpu.commit_smem()
+        else:
+            m = plgpu.layout_cast(jnp.full((NPAD,), -1e30, f32), WG.reduce(0))
+            lsum = plgpu.layout_cast(jnp.zeros((NPAD,), f32), WG.reduce(0))
+            o = plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG)
 
         def part_body(idxs, a_smem, ml_smem, carry):
             m_prev, l_prev, o = carry
@@ -191,50 +200,45 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, hi, ci])
         plgpu.wait_smem_to_gmem(0)
 
+    ring_scratch = [
+        plgpu.SMEM((d, NPAD), k_res.dtype, transforms=b_tr),
+        plgpu.SMEM((TILE, NPAD), k_res.dtype, transforms=b_tr),
+        plgpu.Barrier(num_arrivals=1),
+    ] if has_ring else []  # fmt: skip
     fn = plgpu.kernel(
         kernel,
-        kernel_name="oscar_decode_int2_ring_merge",  # its name in profiles and ncu -k
+        # its name in profiles and ncu -k
+        kernel_name="oscar_decode_int2_ring_merge" if has_ring else "oscar_decode_split_merge",
         out_type=jax.ShapeDtypeStruct((b, h, nmt, TILE, NPAD), f32),
-        scratch_types=[
-            plgpu.SMEM((d, NPAD), rdt, transforms=b_tr),
-            plgpu.SMEM((TILE, NPAD), rdt, transforms=b_tr),
-            plgpu.SMEM((TILE, NPAD), f32),
-            plgpu.Barrier(num_arrivals=1),
-        ],
+        scratch_types=[plgpu.SMEM((TILE, NPAD), f32), *ring_scratch],
         grid=(b, h, nmt),
         grid_names=("b", "h", "c"),
         compiler_params=plgpu.CompilerParams(
             approx_math=True, unsafe_no_auto_barriers=not auto_barriers
         ),
     )
-    return fn(
-        acc.reshape(b, h, s, d, NPAD),
-        ml.reshape(b, h, s * 2, NPAD),
-        q_ring_t,
-        k_res,
-        v_res,
-        ring_mask,
-    )
+    ring = (q_ring_t, k_res, v_res, ring_mask) if has_ring else ()
+    return fn(acc.reshape(b, h, s, d, NPAD), ml.reshape(b, h, s * 2, NPAD), *ring)
 
 
 def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
                                   cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
-                                  param_dtype=jnp.float16):  # fmt: skip
+                                  param_dtype=jnp.float16, ring_in_kernel=False):  # fmt: skip
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
-    in the original basis or the rotation folded into W_V / W_O), with the ring and the
-    merge in a second Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel + the
-    output transpose (XLA)."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: F401
-
+    in the original basis or the rotation folded into W_V / W_O), with the merge in a second
+    Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel + the output transpose
+    (XLA). The ring: walked by the merge launch (before the splits), or with
+    ``ring_in_kernel`` by one more split of the partials kernel (its bytes stream in the
+    big launch; the merge launch then only merges the splits)."""
     b, h, g, d = q.shape
-    acc, ml = _partials_raw(
-        q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale, param_dtype=param_dtype
-    )
     rdt = ring_dtype(k_res)
-    qr = ring_query(q, softmax_scale, rdt)
+    ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
+            ring_mask(ring_valid))  # fmt: skip
+    acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
+                            param_dtype=param_dtype,
+                            ring=ring if ring_in_kernel else None)  # fmt: skip
+    merge_ring = (None,) * 4 if ring_in_kernel else ring
     step = merge_step_for(cfg.merge_step, acc.shape[2])
-    out_t = int2_merge_ring(acc, ml, qr, k_res.astype(rdt), v_res.astype(rdt),
-                            ring_mask(ring_valid), auto_barriers=cfg.auto_barriers,
-                            step=step)  # fmt: skip
+    out_t = int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step)
     out = jnp.swapaxes(out_t.reshape(b, h, d, NPAD), -1, -2)[:, :, :g]
     return out.astype(q.dtype)

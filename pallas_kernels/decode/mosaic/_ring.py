@@ -1,7 +1,7 @@
 """The full-precision ring inside a Mosaic kernel: one online-softmax walk over its tiles.
 
 Shared by the merge launch (``_merge.int2_merge_ring``: one channel block a CTA) and the
-partials kernel's ring split (``_kernel``, ``merge="fused"``: every channel block in one
+partials kernels' ring split (``_kernel``, ``_warp``; ``merge="fused"``: every channel block in one
 CTA). Scores are in log2 units (the query carries softmax_scale * log2(e)).
 """
 

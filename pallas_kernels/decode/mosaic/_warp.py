@@ -38,6 +38,7 @@ from oscar_jax.record import (
 )
 from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, scaled_query
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
+from pallas_kernels.decode.mosaic._ring import ring_walk
 
 NW = 8  # the mma's N: query heads a KV head (g <= 8)
 NEG = -1e30
@@ -462,9 +463,13 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
-                         param_dtype=jnp.float16):  # fmt: skip
+                         param_dtype=jnp.float16, ring=None):  # fmt: skip
     """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
-    (acc [B, H, S, D / 64, 64, 16] f32, ml [B, H, S, 2, 16] f32); INT2 or INT4 records, g <= 8."""
+    (acc [B, H, S (+ 1), D / 64, 64, 16] f32, ml [B, H, S (+ 1), 2, 16] f32); INT2 or INT4
+    records, g <= 8. ``ring`` as ``_partials_raw``'s: one more split (the last) walks the
+    full-precision ring with wgmma (``_ring.ring_walk``) while the others walk records, so
+    the ring's bytes stream in the same launch as the records'."""
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, h, g, d = q_rot.shape
@@ -494,11 +499,50 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
     layq = ST((128 * nw,), 1)
 
-    def kernel(q_ref, rec_ref, kn_ref, nq_ref, acc_out, ml_out, q_smem, o_smem, ml_smem,
-               xm_smem, q_bar):  # fmt: skip
+    def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
+        if ring is None:
+            acc_out, ml_out, q_smem, o_smem, ml_smem, xm_smem, q_bar = refs
+        else:
+            qr_ref, kr_ref, vr_ref, mask_ref, acc_out, ml_out, q_smem, o_smem, ml_smem, \
+                xm_smem, q_bar, qr_smem, pr_smem, qr_bar = refs  # fmt: skip
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
         si = jax.lax.axis_index("s")
+
+        def store():
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
+            plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
+            plgpu.wait_smem_to_gmem(0)
+
+        if ring is None:
+            records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
+                    xm_smem, q_bar, store)  # fmt: skip
+            return
+
+        @pl.when(si < s)
+        def _():
+            records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
+                    xm_smem, q_bar, store)  # fmt: skip
+
+        @pl.when(si == s)
+        def _():
+            with jax.named_scope("ring"):
+                plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
+                plgpu.barrier_wait(qr_bar)
+                m, l_acc, *outs = ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi],
+                                            vr_ref.at[bi, hi], mask_ref.at[bi], range(nmt),
+                                            slots=ring[1].shape[2])  # fmt: skip
+                for mt, o in enumerate(outs):
+                    o_smem[mt] = o
+                ml_smem[0] = m
+                ml_smem[1] = jnp.sum(l_acc, axis=0)
+            with jax.named_scope("store"):
+                store()
+
+    def records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem, xm_smem,
+                q_bar, store):  # fmt: skip
+        """Split si of the quantized part: its blocks of records -> the partials tile."""
         nqv = nq_ref[bi]
         start_blk = si * bps
         nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
@@ -546,11 +590,15 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                 o_smem, ml_smem, xm_smem, *carry
             )
         with jax.named_scope("store"):
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, acc_out.at[bi, hi, si])
-            plgpu.copy_smem_to_gmem(ml_smem, ml_out.at[bi, hi, si])
-            plgpu.wait_smem_to_gmem(0)
+            store()
 
+    sr = s + (ring is not None)  # splits written
+    b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    ring_scratch = [] if ring is None else [
+        plgpu.SMEM((d, NPAD), ring[0].dtype, transforms=b_tr),
+        plgpu.SMEM((TILE, NPAD), ring[0].dtype, transforms=b_tr),
+        plgpu.Barrier(num_arrivals=1),
+    ]  # fmt: skip
     profile = {}
     if cfg.profile_dir:  # a region a phase and a step, a warpgroup: bps steps + 4 + slack
         profile = dict(profile_space=bps + 8, profile_dir=cfg.profile_dir,
@@ -559,8 +607,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         kernel,
         kernel_name=f"oscar_decode_int{bits}_warp_partials",  # its name in profiles and ncu -k
         out_type=(
-            jax.ShapeDtypeStruct((b, h, s, nmt, TILE, NPAD), f32),
-            jax.ShapeDtypeStruct((b, h, s, 2, NPAD), f32),
+            jax.ShapeDtypeStruct((b, h, sr, nmt, TILE, NPAD), f32),
+            jax.ShapeDtypeStruct((b, h, sr, 2, NPAD), f32),
         ),
         scratch_types=[
             plgpu.SMEM((32, nw), jnp.uint32),
@@ -568,13 +616,16 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             plgpu.SMEM((2, NPAD), f32),
             plgpu.SMEM((2, 4, NW), f32),
             plgpu.Barrier(num_arrivals=1),
+            *ring_scratch,
         ],
-        grid=(b, h, s),
+        grid=(b, h, sr),
         grid_names=("b", "h", "s"),
-        compiler_params=plgpu.CompilerParams(approx_math=True, **profile),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=cfg.reduction_scratch, **profile
+        ),
     )
     rec3 = rec.reshape(b, h, nrec, words // 64, 64)
-    return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32))
+    return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *(ring or ()))
 
 
 __all__ = ["query_fragments", "value_param_word", "value_source", "warp_decode_partials"]
