@@ -9,7 +9,9 @@ Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128 (``HEAD_DIM=64`` 
 the environment for the other head sizes). INT2: L - 128 quantized
 tokens + a 160-slot ring with 128 valid. For small shapes every implementation runs over
 ``copies`` distinct input sets per timed call (sum of kernel times / copies), so that the
-working set is >= ~100 MB and not L2-resident.
+working set is >= ~100 MB and not L2-resident; where that would take more than
+``FLUSH_ABOVE`` (4) copies, one set with a 256 MiB write before each run (its kernels left
+out of the sum).
 
 usage: python3 -m benchmarks.bench_mosaic SHAPE[,SHAPE..] VARIANT[;VARIANT..]
   SHAPE = BxL (e.g. 1x131072); VARIANT = comma list of k=v for Int2DecodeConfig over the
@@ -37,17 +39,46 @@ ITERS = int(os.environ.get("ITERS", 20))
 rows = []
 
 
-def med(f, *args, iters=ITERS, detail=False):
+FLUSH = {}  # the L2 flush: its buffer and the names of its kernels
+
+
+def flushed(f):
+    """f preceded, in the same program, by a write of 256 MiB (5x the L2) that its inputs
+    wait on (an optimization barrier), so that each timed run reads them from DRAM."""
+    if not FLUSH:
+        FLUSH["buf"] = jnp.zeros((64 * 1024 * 1024,), jnp.uint32)
+        fl = jax.jit(lambda x: x ^ 1)
+        jax.block_until_ready(fl(FLUSH["buf"]))
+        _, ts = profiler.measure(fl, aggregate=False, iterations=2)(FLUSH["buf"])
+        FLUSH["names"] = {n for it in ts for n, _ in it}
+
+    def g(buf, *args):
+        buf, args = jax.lax.optimization_barrier((buf ^ 1, args))
+        return buf, f(*args)
+
+    return jax.jit(g)
+
+
+def med(f, *args, iters=ITERS, detail=False, flush=False):
+    """Median device time of f(*args) in us (CUPTI; the sum of its kernels a run), or with
+    ``detail`` a kernel name -> median dict; with ``flush`` the L2 is flushed before each
+    run and the flush's own kernels are left out."""
+    if flush:
+        f = flushed(f)
+        args = (FLUSH["buf"], *args)
     f(*args)  # compile + warm
     jax.block_until_ready(f(*args))
-    _, ts = profiler.measure(f, aggregate=not detail, iterations=iters)(*args)
-    if detail:
-        agg = {}
-        for it in ts:
-            for name, t in it:
-                agg.setdefault(name, []).append(t)
-        return {n: statistics.median(v) * 1e3 for n, v in agg.items()}
-    return statistics.median(ts) * 1e3  # us
+    _, ts = profiler.measure(f, aggregate=not (detail or flush), iterations=iters)(*args)
+    if not (detail or flush):
+        return statistics.median(ts) * 1e3  # us
+    runs = [[(n, t) for n, t in it if n not in FLUSH.get("names", ())] for it in ts]
+    if not detail:
+        return statistics.median(sum(t for _, t in it) for it in runs) * 1e3
+    agg = {}
+    for it in runs:
+        for name, t in it:
+            agg.setdefault(name, []).append(t)
+    return {n: statistics.median(v) * 1e3 for n, v in agg.items()}
 
 
 def parse_variant(s):
@@ -103,7 +134,7 @@ def random_cache(key, b, h, lq, nq, *, pdt=jnp.float16, sinks=True, bits=2):
     return c
 
 
-def run_shape(b, L, variants, copies):
+def run_shape(b, L, variants, copies, flush=False):
     g = HQ // HKV
     nq_n = L - 128
     key = jax.random.PRNGKey(b * 7 + L)
@@ -147,9 +178,9 @@ def run_shape(b, L, variants, copies):
     bf16_bytes = 2 * b * L * HKV * DH * 2
     kbt = [jnp.swapaxes(k, 1, 2) for k in kh]
     vbt = [jnp.swapaxes(v, 1, 2) for v in vh]
-    t_cudnn = med(cudnn, qb, kbt, vbt) / copies
+    t_cudnn = med(cudnn, qb, kbt, vbt, flush=flush) / copies
     del kbt, vbt
-    t_xla = med(xla, qb, kh, vh) / copies
+    t_xla = med(xla, qb, kh, vh, flush=flush) / copies
     del kh, vh
     # --- copy
     xc = jax.random.normal(key, (64 * 1024 * 1024,), jnp.float32)  # 256 MiB
@@ -164,6 +195,7 @@ def run_shape(b, L, variants, copies):
     base = dict(
         shape=f"{b}x{L}",
         copies=copies,
+        l2_flush=flush,
         cudnn_us=t_cudnn,
         xla_us=t_xla,
         copy_GBps=copy_rate,
@@ -217,13 +249,17 @@ def run_shape(b, L, variants, copies):
 
         nan = float("nan")
         try:
-            t_part = med(part, q, rec_l, kn_l) / copies
-            t_full = med(full, q, rec_l, kn_l) / copies
-            t_full2 = med(full2, q, rec_l, kn_l) / copies if cfg.stage == "full" else nan
-            t_full3 = med(full3, q, rec_l, kn_l) / copies if cfg.stage == "full" else nan
-            det = med(full2, q, rec_l[:1], kn_l[:1], detail=True, iters=5)
+            t_part = med(part, q, rec_l, kn_l, flush=flush) / copies
+            t_full = med(full, q, rec_l, kn_l, flush=flush) / copies
+            t_full2 = (
+                med(full2, q, rec_l, kn_l, flush=flush) / copies if cfg.stage == "full" else nan
+            )
+            t_full3 = (
+                med(full3, q, rec_l, kn_l, flush=flush) / copies if cfg.stage == "full" else nan
+            )
+            det = med(full2, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)
             det3 = (
-                med(full3, q, rec_l[:1], kn_l[:1], detail=True, iters=5)
+                med(full3, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)
                 if cfg.stage == "full"
                 else {}
             )
@@ -250,10 +286,12 @@ if __name__ == "__main__":
     variants = sys.argv[2].split(";") if len(sys.argv) > 2 else [""]
     t0 = time.time()
     for b, L in shapes:
-        copies = max(
-            1, min(int(os.environ.get("MAX_COPIES", 32)), -(-100_000_000 // (b * L * HKV * 100)))
-        )
-        run_shape(b, L, variants, copies)
+        # enough distinct input sets for >= ~100 MB a timed call; a shape that would need more
+        # than FLUSH_ABOVE of them (each its own kernel instance to trace and compile) runs
+        # one set with the L2 flushed before each run instead
+        copies = min(int(os.environ.get("MAX_COPIES", 32)), -(-100_000_000 // (b * L * HKV * 100)))
+        flush = copies > int(os.environ.get("FLUSH_ABOVE", 4))
+        run_shape(b, L, variants, 1 if flush else max(1, copies), flush=flush)
     print(f"bench done in {time.time() - t0:.0f}s")
     print(
         f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5}"

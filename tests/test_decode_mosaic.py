@@ -469,10 +469,16 @@ def test_fused_merge_is_the_lse_merge_of_its_splits():
     assert not np.asarray(got)[1, 1].any()
 
 
-def test_merge_step_divides_the_splits():
-    assert [mk.merge_step_for(8, s) for s in (1, 2, 4, 8, 16, 32, 33, 12, 7)] == [
-        1, 2, 4, 8, 8, 8, 3, 6, 7,
+def test_merge_step_balances_the_splits_over_the_fewest_steps():
+    assert [mk.merge_step_for(8, s) for s in (1, 2, 4, 8, 16, 32, 33, 12, 7, 9)] == [
+        1, 2, 4, 8, 8, 8, 7, 6, 7, 5,
     ]  # fmt: skip
+    for cap in (1, 3, 8):
+        for s in range(1, 80):
+            step = mk.merge_step_for(cap, s)
+            steps = -(-s // step)
+            assert step <= cap and steps == -(-s // cap)  # no more steps than needed
+            assert 0 <= steps * step - s < steps  # slots past the splits: fewer than a step
 
 
 def _lowering_stack() -> str | None:

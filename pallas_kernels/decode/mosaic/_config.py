@@ -51,7 +51,7 @@ class Int2DecodeConfig:
     split_operands: dequantize K in two K = 64 halves and V^T one channel half at a time
       (fewer live registers, more wgmma issues; measured slower, kept for experiments).
     merge_step: at most this many splits the merge launch combines a pipeline step (the
-      largest divisor of the split count, ``merge_step_for``).
+      step count balanced, ``merge_step_for``).
     reduction_scratch: shared-memory bytes Mosaic reserves for cross-warp reductions (the
       softmax max of a block).
     overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the

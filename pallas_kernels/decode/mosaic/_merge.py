@@ -103,9 +103,12 @@ def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid,
 
 
 def merge_step_for(merge_step: int, splits: int) -> int:
-    """Splits the merge launch combines a pipeline step: the largest divisor of the split
-    count that is <= ``merge_step`` (no empty splits to pad with)."""
-    return max(d for d in range(1, min(merge_step, splits) + 1) if splits % d == 0)
+    """Splits the merge launch combines a pipeline step: ``merge_step`` balanced over the
+    steps (ceil(splits / merge_step) of them). The last step may reach past the split
+    count (33 splits at 8: 5 steps of 7): its TMA reads those slots as zeros and the
+    kernel sets their max to -1e30, so they weigh nothing."""
+    steps = -(-splits // min(merge_step, splits))
+    return -(-splits // steps)
 
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers=True,
@@ -161,8 +164,12 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             o = plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG)
 
         def part_body(idxs, a_smem, ml_smem, carry):
+            (it,) = idxs
             m_prev, l_prev, o = carry
-            ms = [plgpu.load(ml_smem.at[2 * u], layout=WG.reduce(0)) for u in range(step)]
+            # slots past the split count (the last step's) came in as zeros: max -1e30
+            past = [jnp.where(it * step + u < s, 0.0, -1e30) for u in range(step)]
+            ms = [plgpu.load(ml_smem.at[2 * u], layout=WG.reduce(0)) + past[u]
+                  for u in range(step)]  # fmt: skip
             ls = [plgpu.load(ml_smem.at[2 * u + 1], layout=WG.reduce(0)) for u in range(step)]
             m_new = m_prev
             for mu in ms:
@@ -180,16 +187,15 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             plgpu.commit_smem()
             return m_new, l_new, o
 
-        if s % step:
-            raise ValueError(f"the split count {s} must be a multiple of {step=}")
+        nsteps = -(-s // step)
         part_pipe = plgpu.emit_pipeline(
             part_body,
-            grid=(s // step,),
+            grid=(nsteps,),
             in_specs=[  # acc [S, D, 16]: block c's 64 channels of ``step`` splits
                 plgpu.BlockSpec((step, TILE, NPAD), lambda i: (i, ci, 0)),
                 plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
             ],
-            max_concurrent_steps=min(4 if step == 1 else 2, s // step),
+            max_concurrent_steps=min(4 if step == 1 else 2, nsteps),
             init_carry=(m, lsum, o),
         )
         m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, D, 16], [S * 2, 16]
