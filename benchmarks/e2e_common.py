@@ -105,6 +105,11 @@ def _mosaic_two_launches(q, cache, *, softmax_scale=None, **options):
     return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, merge="mosaic")
 
 
+def _mosaic_xla_merge(q, cache, *, softmax_scale=None, **options):
+    """The "mosaic" backend with its ring and LSE merge in XLA (``merge="xla"``)."""
+    return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, merge="xla")
+
+
 def _mosaic_ring_split(q, cache, *, softmax_scale=None, **options):
     """The "mosaic" backend with the ring as one more split of the partials kernel and the
     splits merged by a second Mosaic launch (``merge="fused_mosaic"``)."""
@@ -117,6 +122,7 @@ BASELINES = {
     "cudnn": _cudnn_attention,
     "mosaic2": _mosaic_two_launches,
     "mosaic_rs": _mosaic_ring_split,
+    "mosaic_x": _mosaic_xla_merge,
 }
 
 

@@ -626,6 +626,21 @@ def test_backend_on_long_rows_lowers_the_default_kernel(merge, launches):
     assert [n for n in names if n in text] == launches
 
 
+def test_auto_merge_puts_the_ring_where_it_costs_no_round():
+    """merge="auto": XLA for rotated values; else the ring split in the kernel unless its
+    CTAs open a new round of resident CTAs when there are fewer than 3."""
+    pick = {(b, n): mk.auto_merge(mk.default_config(n), b, 8, n, False)
+            for b, n in ((1, 131072), (8, 32768), (48, 4096), (1, 4096), (2, 131072))}  # fmt: skip
+    assert pick == {
+        (1, 131072): "fused_mosaic",  # 256 CTAs + 8 ring: 264, one round of 2 x 132
+        (8, 32768): "mosaic",  # 256 + 64: a second round
+        (48, 4096): "fused_mosaic",  # 768 CTAs, 3 rounds
+        (1, 4096): "fused_mosaic",
+        (2, 131072): "mosaic",  # 256 + 16
+    }
+    assert mk.auto_merge(mk.default_config(4096), 1, 8, 4096, True) == "xla"
+
+
 @pytest.mark.parametrize("merge", ["mosaic", "fused_mosaic"])
 def test_mosaic_merges_refuse_rotated_values(merge):
     """The second launch merges the splits as they are (no un-rotation of the values)."""

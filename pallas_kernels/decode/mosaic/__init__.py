@@ -75,6 +75,7 @@ from oscar_jax.record import (
 from pallas_kernels.decode.mosaic._cache import (
     STAGE_BYTES,
     WARP_MIN_CAPACITY,
+    auto_merge,
     decode_attention_mosaic,
     default_config,
     kernel_inputs,
@@ -96,7 +97,8 @@ from pallas_kernels.decode.mosaic._merge import (
 __all__ = [
     "D", "G", "LOG2E", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WARP_MIN_CAPACITY", "WORDS",
     "Int2DecodeConfig",
-    "decode_attention_mosaic", "default_config", "fragment_layout", "fragment_layout_inverse",
+    "auto_merge", "decode_attention_mosaic", "default_config", "fragment_layout",
+    "fragment_layout_inverse",
     "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_attention_fused",
     "int2_decode_partials", "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring",
     "merge_splits_with_ring_split", "merge_step_for",

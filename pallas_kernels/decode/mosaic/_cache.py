@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 
 from oscar_jax import attention as att
@@ -45,6 +44,25 @@ def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
 
 
 STAGE_BYTES = 86_000  # shared memory for the TMA stages of one program (two an SM)
+
+
+def auto_merge(cfg: Int2DecodeConfig, b: int, h: int, capacity: int, rotate_values: bool,
+               num_sms: int = 132) -> str:  # fmt: skip
+    """``merge="auto"``'s choice. Rotated values: "xla" (the un-rotation is an XLA GEMM).
+    Else the ring as the kernel's last split ("fused_mosaic": one query, one ring walk in
+    the big launch, a merge launch of the splits alone) unless its B x H CTAs spill a round
+    of resident CTAs into a new one while there are fewer than 3 rounds: then the ring goes
+    to the merge launch ("mosaic"). Measured (CUPTI, BENCHMARKS.md): the ring split is
+    faster at 1 x 128K (its 8 CTAs fit the round) and 48 x 4K (3 rounds: the short ring
+    CTAs fill gaps), slower at 8 x 32K (256 CTAs fill one round of 264, the ring's 64 open
+    a second: +5.5 us on an H200, +12.8 on an H100)."""
+    if rotate_values:
+        return "xla"
+    _, s = cfg.split_plan(b, h, capacity)
+    slots = cfg.ctas_per_sm * num_sms
+    rounds = -(-(b * h * s) // slots)
+    spills = -(-(b * h * (s + 1)) // slots) > rounds
+    return "mosaic" if spills and rounds < 3 else "fused_mosaic"
 
 
 WARP_MIN_CAPACITY = 16384  # quantized tokens from which the warp-level kernel is the default
@@ -111,9 +129,9 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     (``int2_decode_attention_2launch``; values must not be rotated), ``"fused"`` the ring as
     one more split of the partials kernel and one XLA merge of the splits
     (``int2_decode_attention_fused``), ``"fused_mosaic"`` that ring split and the second
-    launch's merge of the splits (values not rotated), ``"auto"`` XLA: end to
-    end the XLA merge is 3% faster at 1 x 128K and level at the largest batch at 32K
-    (BENCHMARKS.md, both merges in one run). INT2 or INT4 records (the cache's bits). NaN for
+    launch's merge of the splits (values not rotated), ``"auto"`` as ``auto_merge`` picks
+    (XLA for rotated values, else one of the two Mosaic merges by the shape).
+    INT2 or INT4 records (the cache's bits). NaN for
     FLAG_NONFINITE rows as the library's attention. ValueError for a cache
     ``unsupported_reason`` names.
     """
@@ -126,11 +144,11 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
     if merge in ("mosaic", "fused_mosaic") and kcfg.rotate_values:
         raise ValueError(f"{merge=} needs values stored unrotated (rotate_values=False)")
-    if merge == "auto":
-        merge = "xla"
     pdt = jnp.dtype(kcfg.scale_dtype)
     if cfg is None:
         cfg = default_config(cache.quant_capacity, kcfg.bits, cache.head_dim, g)
+    if merge == "auto":
+        merge = auto_merge(cfg, b, h, cache.quant_capacity, kcfg.rotate_values)
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
     # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
