@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -110,20 +111,25 @@ def mosaic_call(b, ctx, k, v, knobs, bits=2):
     converted to the kernel's record layout once, ahead of the timed calls. Returns
     (fn(q, *operands), operands), bytes read (records + norms of the quantized tokens, the
     ring). ``knobs``: Int2DecodeConfig fields (over the backend's defaults for the cache's
-    capacity and bits), and ``merge``: "mosaic" (the second launch, default), "xla" (the
-    partials kernel + the merge in XLA, the backend's default) or "fused" (the ring as a
-    split of the partials kernel, one XLA merge)."""
+    capacity and bits), and ``merge``: "auto" (the backend's choice, ``mk.auto_merge``;
+    default), "mosaic" (the ring and merge in the second launch), "fused_mosaic" (the ring as
+    the partials kernel's last split, the second launch merges the splits), "xla" (the ring
+    and merge in XLA) or "fused" (the ring split, one XLA merge)."""
     knobs = dict(knobs)
-    merge = knobs.pop("merge", "mosaic")
-    calls = {"mosaic": mk.int2_decode_attention_2launch, "xla": mk.int2_decode_attention,
-             "fused": mk.int2_decode_attention_fused}  # fmt: skip
-    if merge not in calls:
-        raise ValueError(f"{merge=} must be one of {sorted(calls)}")
-    attention = calls[merge]
+    merge = knobs.pop("merge", "auto")
+    two = mk.int2_decode_attention_2launch
+    calls = {"mosaic": two, "xla": mk.int2_decode_attention,
+             "fused": mk.int2_decode_attention_fused,
+             "fused_mosaic": functools.partial(two, ring_in_kernel=True)}  # fmt: skip
+    if merge not in (*calls, "auto"):
+        raise ValueError(f"{merge=} must be one of {sorted(calls) + ['auto']}")
     kcfg = oj.preset("oscar", bits=bits, rotate_values=False)
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
     # the backend's defaults for this capacity and width, with the knobs given
     cfg = dataclasses.replace(mk.default_config(c.quant_capacity, bits, D), **knobs)
+    if merge == "auto":
+        merge = mk.auto_merge(cfg, b, HKV, c.quant_capacity, kcfg.rotate_values)
+    attention = calls[merge]
     c = jax.jit(oj.prefill)(c, k, v)
     rec, kn, nq, ring_valid = jax.jit(lambda c: mk.kernel_inputs(c, block_tokens=cfg.block_tokens))(
         c
@@ -367,8 +373,8 @@ def main():
     ap.add_argument("--no-gqa", action="store_true")
     ap.add_argument("--mosaic", type=json.loads, default=None,
                     help="JSON dict of Int2DecodeConfig knobs: also time the Mosaic GPU INT2 "
-                    "kernel (jax >= 0.11.2, Hopper), '{}' for its defaults; "
-                    "'{\"merge\": \"xla\"}' merges in XLA instead of a second launch")  # fmt: skip
+                    "kernel (jax >= 0.11.2, Hopper), '{}' for its defaults (merge 'auto', "
+                    "the backend's); '{\"merge\": \"xla\"}' merges in XLA")  # fmt: skip
     ap.add_argument(
         "--mosaic4",
         type=json.loads,
