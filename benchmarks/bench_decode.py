@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import time
@@ -106,48 +105,30 @@ def xla_bf16(q, k_hm, v_hm):
 
 
 def mosaic_call(b, ctx, k, v, knobs, bits=2):
-    """The Mosaic GPU decode call (``pallas_kernels.decode.mosaic``, two launches) over an
-    OScaR INT2 (``bits=2``) or INT4 cache whose values are stored unrotated, the cache
-    converted to the kernel's record layout once, ahead of the timed calls. Returns
-    (fn(q, *operands), operands), bytes read (records + norms of the quantized tokens, the
-    ring). ``knobs``: Int2DecodeConfig fields (over the backend's defaults for the cache's
-    capacity and bits), and ``merge``: "auto" (the backend's choice, ``mk.auto_merge``;
-    default), "mosaic" (the ring and merge in the second launch), "fused_mosaic" (the ring as
-    the partials kernel's last split, the second launch merges the splits), "xla" (the ring
-    and merge in XLA) or "fused" (the ring split, one XLA merge)."""
+    """The "mosaic" backend's decode call (``mk.decode_attention_mosaic``, the public call:
+    query rotation by one GEMM, kernel, merge, output) over an OScaR INT2 (``bits=2``) or
+    INT4 cache of layout="record" (read as it is) whose values are stored unrotated.
+    Returns (fn(q, cache), (cache,)), bytes read (records + norms of the quantized tokens,
+    the ring). ``knobs``: Int2DecodeConfig fields over the backend's defaults for the
+    cache's capacity and bits, and ``merge`` (default "auto", the backend's choice;
+    ``MERGES``)."""
     knobs = dict(knobs)
     merge = knobs.pop("merge", "auto")
-    two = mk.int2_decode_attention_2launch
-    calls = {"mosaic": two, "xla": mk.int2_decode_attention,
-             "fused": mk.int2_decode_attention_fused,
-             "fused_mosaic": functools.partial(two, ring_in_kernel=True)}  # fmt: skip
-    if merge not in (*calls, "auto"):
-        raise ValueError(f"{merge=} must be one of {sorted(calls) + ['auto']}")
-    kcfg = oj.preset("oscar", bits=bits, rotate_values=False)
+    if merge not in mk.MERGES:
+        raise ValueError(f"{merge=} must be one of {mk.MERGES}")
+    kcfg = oj.preset("oscar", bits=bits, rotate_values=False).replace(layout="record")
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
     # the backend's defaults for this capacity and width, with the knobs given
     cfg = dataclasses.replace(mk.default_config(c.quant_capacity, bits, D), **knobs)
-    if merge == "auto":
-        merge = mk.auto_merge(cfg, b, HKV, c.quant_capacity, kcfg.rotate_values)
-    attention = calls[merge]
     c = jax.jit(oj.prefill)(c, k, v)
-    rec, kn, nq, ring_valid = jax.jit(lambda c: mk.kernel_inputs(c, block_tokens=cfg.block_tokens))(
-        c
-    )
-    pdt = jnp.dtype(kcfg.scale_dtype)
 
-    def fn(q, rec, kn, nq, k_res, v_res, ring_valid, cache):
-        del cache  # the reference of --check
-        qg = q.astype(jnp.float32).reshape(b, HKV, HQ // HKV, D)
-        q_rot = oj.rotate(qg, kcfg)
-        out = attention(qg, q_rot, rec, kn, nq, k_res, v_res, ring_valid, cfg=cfg,
-                        param_dtype=pdt)  # fmt: skip
-        return out.reshape(q.shape).astype(q.dtype)
+    def fn(q, cache):
+        return mk.decode_attention_mosaic(q, cache, cfg=cfg, merge=merge)
 
-    nrec = np.asarray(-(-nq // 64), np.int64)
+    nrec = np.asarray(-(-c.num_quantized() // 64), np.int64)
     per_rec = mk.record_words(bits, D) * 4 + 64 * 4  # a record and its norms
     nbytes = int(np.sum(nrec) * HKV * per_rec) + 2 * c.k_res.size * 2
-    return (fn, (rec, kn, nq, c.k_res, c.v_res, ring_valid, c)), nbytes
+    return (fn, (c,)), nbytes
 
 
 def run_shape(b, ctx, args, log):

@@ -73,6 +73,7 @@ from oscar_jax.record import (
     record_words,
 )
 from pallas_kernels.decode.mosaic._cache import (
+    MERGES,
     STAGE_BYTES,
     WARP_MIN_CAPACITY,
     auto_merge,
@@ -95,7 +96,8 @@ from pallas_kernels.decode.mosaic._merge import (
 )
 
 __all__ = [
-    "D", "G", "LOG2E", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WARP_MIN_CAPACITY", "WORDS",
+    "D", "G", "LOG2E", "MERGES", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WARP_MIN_CAPACITY",
+    "WORDS",
     "Int2DecodeConfig",
     "auto_merge", "decode_attention_mosaic", "default_config", "fragment_layout",
     "fragment_layout_inverse",
