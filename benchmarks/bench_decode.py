@@ -119,7 +119,8 @@ def mosaic_call(b, ctx, k, v, knobs, bits=2):
     kcfg = oj.preset("oscar", bits=bits, rotate_values=False).replace(layout="record")
     c = oj.init_cache(kcfg, batch=b, max_len=ctx, num_kv_heads=HKV, head_dim=D)
     # the backend's defaults for this capacity and width, with the knobs given
-    cfg = dataclasses.replace(mk.default_config(c.quant_capacity, bits, D), **knobs)
+    cfg = mk.default_config(c.quant_capacity, bits, D, HQ // HKV, rows=b * HKV)
+    cfg = dataclasses.replace(cfg, **knobs)
     c = jax.jit(oj.prefill)(c, k, v)
 
     def fn(q, cache):

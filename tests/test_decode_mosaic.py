@@ -667,6 +667,28 @@ def test_default_config_fits_the_stages_in_shared_memory():
     assert {k for k, v in kernels.items() if v == "warp"} == {
         (b, d, g) for b in (2, 4) for d in (64, 128) for g in (None, 8)
     }
+    # many short rows: the warp kernel from WARP_MIN_TOKEN_HEADS quantized token-heads
+    assert [mk.default_config(4096, 2, 128, 4, rows=r).kernel for r in (None, 8, 255, 256)] == [
+        "wgmma", "wgmma", "wgmma", "warp",
+    ]  # fmt: skip
+
+
+@pytest.mark.usefixtures("lowering_stack")
+def test_backend_on_many_short_rows_lowers_the_warp_kernel():
+    """48 rows x 8 KV heads x 4K tokens (1.5M token-heads): the default call lowers with the
+    warp kernel and, values unrotated and 3 rounds of CTAs, the ring split and the split
+    merge (``auto_merge``)."""
+    kv = oj.preset("oscar", rotate_values=False).replace(layout="record")
+
+    def make():
+        k, v = (jnp.ones((48, 4096, 8, D), jnp.bfloat16),) * 2
+        c = oj.init_cache(kv, batch=48, max_len=4096, num_kv_heads=8, head_dim=D)
+        return oj.prefill(c, k, v, jnp.full((48,), 4000, jnp.int32))
+
+    c = jax.eval_shape(make)  # shapes only: nothing is quantized on the CPU
+    fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c))
+    text = fn.trace(query(5, 48, 32, D), c).lower(lowering_platforms=("cuda",)).as_text()
+    assert "oscar_decode_int2_warp_partials" in text and "oscar_decode_split_merge" in text
 
 
 @pytest.mark.usefixtures("lowering_stack")

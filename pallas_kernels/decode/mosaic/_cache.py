@@ -66,10 +66,13 @@ def auto_merge(cfg: Int2DecodeConfig, b: int, h: int, capacity: int, rotate_valu
 
 
 WARP_MIN_CAPACITY = 16384  # quantized tokens from which the warp-level kernel is the default
+# ... or, with the rows known, quantized token-heads (rows x KV heads x capacity) from which
+# it is: many short rows (48 x 8 x 4K) fill the GPU with splits the warp kernel walks faster
+WARP_MIN_TOKEN_HEADS = 1 << 20
 
 
 def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
-                   g: int | None = None) -> Int2DecodeConfig:  # fmt: skip
+                   g: int | None = None, rows: int | None = None) -> Int2DecodeConfig:  # fmt: skip
     """The default tuning: the largest block of 256, 128 or 64 tokens that divides the
     quantized capacity (a record cache holds whole 64-token records) and leaves room for at
     least 2 TMA stages in ``STAGE_BYTES``, then up to 3 stages. At head_dim 128: INT2 256
@@ -78,17 +81,19 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
 
     The kernel: the warp-level one (``kernel="warp"``) for INT2 and INT4 at head_dim <= 128
     with g <= 8 query heads a KV head (None: not known, taken as <= 8) from
-    ``WARP_MIN_CAPACITY`` quantized tokens; the wgmma kernel elsewhere. Measured on an H100
-    (BENCHMARKS.md, CUPTI): INT2 warp 48.8 us at 1 x 128K; INT4 warp 71.5 against wgmma
-    75.4 us at 1 x 128K and 39.6 against 42.0 at 1 x 64K. At 48 x 4K the INT2 warp kernel
-    measured 76.3 against 92.3 us, so the threshold could come down; it stays until the
-    short-row paths (sharded partials, 1 x 4K) are timed and checked compiled with it.
+    ``WARP_MIN_CAPACITY`` quantized tokens, or from ``WARP_MIN_TOKEN_HEADS`` quantized
+    token-heads when ``rows`` (batch rows x KV heads) is given; the wgmma kernel elsewhere.
+    Measured (BENCHMARKS.md, CUPTI): INT4 warp 71.5 against wgmma 75.4 us at 1 x 128K and
+    39.6 against 42.0 at 1 x 64K (H100); INT2 at 48 x 4K (1.5M token-heads) warp 76.3
+    against wgmma 92.3 us (call 96.1 against 119.2); at 1 x 4K (32K token-heads) wgmma's
+    call 12.6 against warp's 13.9 us (H200).
     """
     rec = record_words(bits, head_dim) * 4 + TILE * 4  # a record and its norms, bytes
     fits = [b for b in (256, 128, 64) if capacity % b == 0]
     block = next((b for b in fits if 2 * rec * b // TILE <= STAGE_BYTES), fits[-1])
     stages = max(1, min(3, STAGE_BYTES // (rec * block // TILE)))
-    warp = head_dim <= 128 and (g is None or g <= 8) and capacity >= WARP_MIN_CAPACITY
+    many = capacity >= WARP_MIN_CAPACITY or (rows or 0) * capacity >= WARP_MIN_TOKEN_HEADS
+    warp = head_dim <= 128 and (g is None or g <= 8) and many
     return Int2DecodeConfig(block_tokens=block, max_concurrent_steps=stages,
                             kernel="warp" if warp else "wgmma")  # fmt: skip
 
@@ -146,7 +151,7 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
         raise ValueError(f"{merge=} needs values stored unrotated (rotate_values=False)")
     pdt = jnp.dtype(kcfg.scale_dtype)
     if cfg is None:
-        cfg = default_config(cache.quant_capacity, kcfg.bits, cache.head_dim, g)
+        cfg = default_config(cache.quant_capacity, kcfg.bits, cache.head_dim, g, rows=b * h)
     if merge == "auto":
         merge = auto_merge(cfg, b, h, cache.quant_capacity, kcfg.rotate_values)
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
