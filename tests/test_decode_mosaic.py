@@ -26,6 +26,7 @@ from oscar_jax import record
 from oscar_jax import sharding as osh
 from pallas_kernels.decode import mosaic as mk
 from pallas_kernels.decode.mosaic import _dequant as mk_dq
+from pallas_kernels.decode.mosaic import _merge as mk_merge
 from pallas_kernels.decode.mosaic import _warp as mk_warp
 
 D = 128
@@ -500,6 +501,39 @@ def lowering_stack():
         if os.environ.get("OSCAR_REQUIRE_MOSAIC_LOWERING") == "1":
             pytest.fail(f"the Mosaic lowering check must run here: {reason}")
         pytest.skip(reason)
+
+
+@pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("splits,merge_step", [(1, 8), (5, 2), (33, 8), (12, 8)])
+def test_split_merge_lowers_and_runs_interpreted(splits, merge_step):
+    """The merge launch without a ring (``merge="fused_mosaic"``'s second launch) lowers for
+    sm_90 and, run by Mosaic's GPU interpreter on the CPU, equals the LSE merge in XLA: the
+    steps of ``merge_step_for`` (the last one past the split count), an empty split, and
+    a (row, head) whose splits are all empty (output 0). The interpreter reads the slots
+    past the split count as zeros, as TMA does."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(splits)
+    b, h, d = 2, 3, 128
+    acc = jnp.asarray(rng.normal(size=(b, h, splits, d // 64, 64, mk.NPAD)), jnp.float32)
+    # maxima far below 0: a slot past the split count read as max 0 (unmasked) would weigh
+    # every real split by 2^-200 = 0 in float32
+    m = rng.normal(size=(b, h, splits, mk.NPAD)) * 4 - 200
+    lsum = np.abs(rng.normal(size=(b, h, splits, mk.NPAD))) + 0.1
+    m[0, 0, splits // 2], lsum[0, 0, splits // 2] = -1e30, 0.0  # an empty split
+    m[1, 2], lsum[1, 2] = -1e30, 0.0  # no token at all
+    ml = jnp.asarray(np.stack([m, lsum], axis=3), jnp.float32)
+    step = mk.merge_step_for(merge_step, splits)
+    fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, step=step))
+    fn.trace(acc, ml).lower(lowering_platforms=("cuda",))
+    with plgpu.force_gpu_interpret_mode():
+        got = fn(acc, ml)  # [B, H, D / 64, 64, NPAD]: out^T
+    got = jnp.swapaxes(got.reshape(b, h, d, mk.NPAD), -1, -2)
+    a = jnp.swapaxes(acc.reshape(b, h, splits, d, mk.NPAD), -1, -2)
+    num, den = mk_merge.weigh_splits(a, ml[..., 0, :], ml[..., 1, :], jnp.max(ml[..., 0, :], 2))
+    want = mk_merge.normalized(num, den, jnp.float32)
+    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not np.any(np.asarray(got[1, 2]))
 
 
 @pytest.mark.usefixtures("lowering_stack")
