@@ -160,6 +160,7 @@ def main():
             print(f"{k:>10} " + " ".join(f"{s[k][x]:7.2f}" for x in STATS))
         print("step by index (median us):", " ".join(f"{x:.2f}" for x in s["step_by_index"]))
     if a.out:
+        os.makedirs(a.out, exist_ok=True)
         json.dump(results, open(os.path.join(a.out, "timeline.json"), "w"), indent=1)
 
 
