@@ -504,13 +504,16 @@ def lowering_stack():
 
 
 @pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("final", [None, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("splits,merge_step", [(1, 8), (5, 2), (33, 8), (12, 8)])
-def test_split_merge_lowers_and_runs_interpreted(splits, merge_step):
+def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, final):
     """The merge launch without a ring (``merge="fused_mosaic"``'s second launch) lowers for
     sm_90 and, run by Mosaic's GPU interpreter on the CPU, equals the LSE merge in XLA: the
     steps of ``merge_step_for`` (the last one past the split count), an empty split, and
     a (row, head) whose splits are all empty (output 0). The interpreter reads the slots
-    past the split count as zeros, as TMA does."""
+    past the split count as zeros, as TMA does. ``final``: the output written by the
+    kernel as the library returns it ([B, H, g, D] in that dtype, g = 5 of 16 padded
+    heads), a row whose flags carry the poison bit all NaN, the others untouched."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rng = np.random.default_rng(splits)
@@ -524,16 +527,26 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step):
     m[1, 2], lsum[1, 2] = -1e30, 0.0  # no token at all
     ml = jnp.asarray(np.stack([m, lsum], axis=3), jnp.float32)
     step = mk.merge_step_for(merge_step, splits)
-    fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, step=step))
+    g, poison = 5, 4
+    flags = jnp.array([poison | 1, 2], jnp.int32)  # row 0 poisoned, row 1 another flag only
+    fin = None if final is None else (g, jnp.dtype(final), flags, poison)
+    fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, step=step,
+                                                 final=fin))  # fmt: skip
     fn.trace(acc, ml).lower(lowering_platforms=("cuda",))
     with plgpu.force_gpu_interpret_mode():
-        got = fn(acc, ml)  # [B, H, D / 64, 64, NPAD]: out^T
-    got = jnp.swapaxes(got.reshape(b, h, d, mk.NPAD), -1, -2)
+        got = fn(acc, ml)  # [B, H, D / 64, 64, NPAD]: out^T (final: [B, H, g, D])
     a = jnp.swapaxes(acc.reshape(b, h, splits, d, mk.NPAD), -1, -2)
     num, den = mk_merge.weigh_splits(a, ml[..., 0, :], ml[..., 1, :], jnp.max(ml[..., 0, :], 2))
     want = mk_merge.normalized(num, den, jnp.float32)
-    chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
-    assert not np.any(np.asarray(got[1, 2]))
+    if final is None:
+        got = jnp.swapaxes(got.reshape(b, h, d, mk.NPAD), -1, -2)
+    else:
+        assert got.shape == (b, h, g, d) and got.dtype == jnp.dtype(final)
+        assert np.all(np.isnan(np.asarray(got[0], np.float32)))
+        got, want = got[1:].astype(jnp.float32), want[1:, :, :g]
+    t = tol(final or jnp.float32)
+    chex.assert_trees_all_close(got, want, atol=t["atol"], rtol=t["rtol"])
+    assert not np.any(np.asarray(got[-1, 2]))
 
 
 @pytest.mark.usefixtures("lowering_stack")
@@ -950,6 +963,30 @@ class TestMosaicGPU:
         want = oj.decode_attention(q, c, implementation="xla")
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+    @pytest.mark.parametrize("merge,knobs", [
+        ("fused_mosaic", dict(kernel="warp")), ("mosaic", dict()),
+        ("fused_mosaic", dict(kernel="warp", bits=4, d=64)),
+    ])  # fmt: skip
+    def test_second_launch_writes_the_final_output(self, merge, knobs):
+        """The merge launch writes [B, Hq, D] in the query's dtype itself: the heads past g
+        not stored, the other rows as the XLA reference, a row with FLAG_NONFINITE all NaN
+        (the kernel's poisoning, not ``poison_flagged_rows``) and only that row."""
+        knobs = dict(knobs)
+        bits, d, g = knobs.pop("bits", 2), knobs.pop("d", D), 3
+        lengths = [3000, 2222, 0, 1500]
+        c = _cache(11, 4, lengths, max_len=4096 + 160, rotate_values=False, bits=bits, d=d)
+        c = dataclasses.replace(c, flags=c.flags.at[1].set(oj.FLAG_NONFINITE))
+        q = query(12, 4, 2 * g, d, jnp.bfloat16)
+        cfg = mk.Int2DecodeConfig(**knobs)
+        got = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, cfg=cfg, merge=merge,
+                                                              convert=True))(q, c)  # fmt: skip
+        assert got.shape == q.shape and got.dtype == q.dtype
+        assert np.all(np.isnan(np.asarray(got[1], np.float32)))
+        keep = np.array([0, 2, 3])
+        want = oj.decode_attention(q, c, implementation="xla").astype(jnp.float32)[keep]
+        err = float(jnp.max(jnp.abs(got.astype(jnp.float32)[keep] - want)))
+        assert err <= tol("bfloat16")["max_rel"] * float(jnp.max(jnp.abs(want))), err
 
     @pytest.mark.parametrize(
         "b,merge,knobs",

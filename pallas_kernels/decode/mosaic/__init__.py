@@ -22,9 +22,10 @@ import where the kernel cannot run). Entry points (the record layout itself:
     param_dtype, block_tokens) -> (rec, kn)``: planar cache arrays -> this kernel's layout
     (exact); ``fragment_layout_inverse(rec, kn, lq, *, param_dtype)`` its inverse.
   * ``int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
-    cfg, softmax_scale, param_dtype) -> [B, H, g, D]``: the decode call in two Mosaic
-    GPU launches (split-K partials; ring + LSE merge) plus two small XLA fusions (query
-    prep, output transpose). Values must be in the original basis (no run-time un-rotation).
+    cfg, softmax_scale, param_dtype, out_dtype, flags, poison) -> [B, H, g, D]``: the
+    decode call in two Mosaic GPU launches (split-K partials; ring + LSE merge, which writes
+    the output in its final layout and dtype, flagged rows NaN) after the query prep in XLA.
+    Values must be in the original basis (no run-time un-rotation).
   * ``int2_decode_attention(...same..., unrotate=None)``: the partials kernel + the ring
     and merge in XLA (~10 small fusions), with an optional value un-rotation.
   * ``int2_decode_attention_fused(...same..., unrotate=None)``: the ring as one more split of

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 
 from oscar_jax import attention as att
 from oscar_jax import hadamard
-from oscar_jax.cache import _residual_tokens
+from oscar_jax.cache import FLAG_NONFINITE, _residual_tokens
 from oscar_jax.record import TILE, fragment_layout, record_words
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
@@ -159,15 +159,19 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
     q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
     if merge in ("mosaic", "fused_mosaic"):
+        # the merge launch writes the output as the library returns it (layout, dtype and
+        # the poisoned rows): no XLA fusion after the kernels
         out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
                                             ring_valid, cfg=cfg, softmax_scale=softmax_scale,
                                             param_dtype=pdt,
-                                            ring_in_kernel=merge == "fused_mosaic")  # fmt: skip
-    else:
-        unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
-        call = int2_decode_attention_fused if merge == "fused" else int2_decode_attention
-        out = call(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res, ring_valid, cfg=cfg,
-                   softmax_scale=softmax_scale, param_dtype=pdt, unrotate=unrot)  # fmt: skip
+                                            ring_in_kernel=merge == "fused_mosaic",
+                                            out_dtype=q.dtype, flags=cache.flags,
+                                            poison=FLAG_NONFINITE)  # fmt: skip
+        return out.reshape(q.shape)
+    unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
+    call = int2_decode_attention_fused if merge == "fused" else int2_decode_attention
+    out = call(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res, ring_valid, cfg=cfg,
+               softmax_scale=softmax_scale, param_dtype=pdt, unrotate=unrot)  # fmt: skip
     return att.poison_flagged_rows(out.reshape(q.shape).astype(q.dtype), cache)
 
 

@@ -112,7 +112,7 @@ def merge_step_for(merge_step: int, splits: int) -> int:
 
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers=True,
-                    step=1):  # fmt: skip
+                    step=1, final=None):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
@@ -121,13 +121,18 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     softmax_scale * log2(e), heads past g zero); k_res, v_res [B, H, R, D] bfloat16 or
     float16; ring_mask [B, Rp] f32 (1 valid slot, 0 not), Rp = R rounded up to 64. All four
     None: no ring (the partials kernel walked it as its last split): the splits' merge only.
-    Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token).
+    Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
+    with ``final=(g, dtype, flags, poison)`` the output in the library's layout instead, [B, H, g,
+    D] in ``dtype`` (the first g heads), NaN for a row whose int32 ``flags`` [B] have
+    ``poison`` bits set (``flags`` None: none): the transpose, slice, cast and
+    ``poison_flagged_rows`` in the kernel's store, no XLA fusion after the launch.
     One CTA (one warpgroup) per (b, h, channel block c): ring tiles of 64 slots through
     wgmma (A = K tile / V^T tile of block c from shared memory; each block's CTA computes
     the ring's scores itself), then block c of the splits' partials rescaled to the common
     max. D / 64 CTAs a (b, h) shorten the serial walk over the splits and multiply the
     programs of a small batch.
     """
+    from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     b, h, s, nmt, _, _ = acc.shape
@@ -137,7 +142,15 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     WG = plgpu.Layout.WGMMA
     b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
 
+    if final is not None:
+        g, out_dtype, flags, poison = final
+    has_flags = final is not None and flags is not None
+
     def kernel(acc_ref, ml_ref, *refs):
+        flags_ref = refs[0] if has_flags else None
+        refs = refs[1:] if has_flags else refs
+        if final is not None:
+            *refs, t_smem = refs
         if has_ring:
             q_ref, k_ref, v_ref, mask_ref, out_ref, o_smem, q_smem, p_smem, q_bar = refs
         else:
@@ -203,7 +216,18 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         inv_b = jax.lax.broadcast_in_dim(inv, (TILE, NPAD), [1])
         o_smem[...] = o * inv_b
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, hi, ci])
+        if final is None:
+            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, hi, ci])
+        else:  # O^T [64, 16] read back transposed, cast, the first g rows stored by TMA
+            ot = plgpu.load(o_smem.transpose((1, 0)), (),
+                            layout=plgpu.Layout.WG_STRIDED((NPAD, TILE), 1))  # fmt: skip
+            if has_flags:
+                bad = (flags_ref[bi] & poison) != 0
+                ot = ot + jnp.where(bad, jnp.nan, 0.0).astype(f32)
+            t_smem[...] = ot.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(t_smem.at[pl.ds(0, g)],
+                                    out_ref.at[bi, hi, :, pl.ds(ci * TILE, TILE)])  # fmt: skip
         plgpu.wait_smem_to_gmem(0)
 
     ring_scratch = [
@@ -211,12 +235,17 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         plgpu.SMEM((TILE, NPAD), k_res.dtype, transforms=b_tr),
         plgpu.Barrier(num_arrivals=1),
     ] if has_ring else []  # fmt: skip
+    if final is None:
+        out_type, final_scratch = jax.ShapeDtypeStruct((b, h, nmt, TILE, NPAD), f32), []
+    else:
+        out_type = jax.ShapeDtypeStruct((b, h, g, d), out_dtype)
+        final_scratch = [plgpu.SMEM((NPAD, TILE), out_dtype)]
     fn = plgpu.kernel(
         kernel,
         # its name in profiles and ncu -k
         kernel_name="oscar_decode_int2_ring_merge" if has_ring else "oscar_decode_split_merge",
-        out_type=jax.ShapeDtypeStruct((b, h, nmt, TILE, NPAD), f32),
-        scratch_types=[plgpu.SMEM((TILE, NPAD), f32), *ring_scratch],
+        out_type=out_type,
+        scratch_types=[plgpu.SMEM((TILE, NPAD), f32), *ring_scratch, *final_scratch],
         grid=(b, h, nmt),
         grid_names=("b", "h", "c"),
         compiler_params=plgpu.CompilerParams(
@@ -224,18 +253,22 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         ),
     )
     ring = (q_ring_t, k_res, v_res, ring_mask) if has_ring else ()
-    return fn(acc.reshape(b, h, s, d, NPAD), ml.reshape(b, h, s * 2, NPAD), *ring)
+    fl = (flags.astype(jnp.int32),) if has_flags else ()
+    return fn(acc.reshape(b, h, s, d, NPAD), ml.reshape(b, h, s * 2, NPAD), *fl, *ring)
 
 
 def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
                                   cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
-                                  param_dtype=jnp.float16, ring_in_kernel=False):  # fmt: skip
+                                  param_dtype=jnp.float16, ring_in_kernel=False,
+                                  out_dtype=None, flags=None, poison=0):  # fmt: skip
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
     in the original basis or the rotation folded into W_V / W_O), with the merge in a second
     Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel + the output transpose
     (XLA). The ring: walked by the merge launch (before the splits), or with
     ``ring_in_kernel`` by one more split of the partials kernel (its bytes stream in the
-    big launch; the merge launch then only merges the splits)."""
+    big launch; the merge launch then only merges the splits). The merge launch writes the
+    output [B, H, g, D] in ``out_dtype`` (None: q's) itself, NaN for the rows whose
+    ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``)."""
     b, h, g, d = q.shape
     rdt = ring_dtype(k_res)
     ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
@@ -245,6 +278,6 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
                             ring=ring if ring_in_kernel else None)  # fmt: skip
     merge_ring = (None,) * 4 if ring_in_kernel else ring
     step = merge_step_for(cfg.merge_step, acc.shape[2])
-    out_t = int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step)
-    out = jnp.swapaxes(out_t.reshape(b, h, d, NPAD), -1, -2)[:, :, :g]
-    return out.astype(q.dtype)
+    final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
+    return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
+                           final=final)  # fmt: skip
