@@ -264,9 +264,9 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
     in the original basis or the rotation folded into W_V / W_O), with the merge in a second
     Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel. The ring: walked by
-    the merge launch (before the splits), or with
-    ``ring_in_kernel`` by one more split of the partials kernel (its bytes stream in the
-    big launch; the merge launch then only merges the splits). The merge launch writes the
+    the merge launch (before the splits), or with ``ring_in_kernel`` by one more split of
+    the partials kernel (its bytes stream in the big launch; the merge launch then only
+    merges the splits). The merge launch writes the
     output [B, H, g, D] in ``out_dtype`` (None: q's) itself, NaN for the rows whose
     ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``)."""
     b, h, g, d = q.shape
