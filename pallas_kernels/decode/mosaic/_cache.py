@@ -83,10 +83,10 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
     with g <= 8 query heads a KV head (None: not known, taken as <= 8) from
     ``WARP_MIN_CAPACITY`` quantized tokens, or from ``WARP_MIN_TOKEN_HEADS`` quantized
     token-heads when ``rows`` (batch rows x KV heads) is given; the wgmma kernel elsewhere.
-    Measured (BENCHMARKS.md, CUPTI): INT4 warp 71.5 against wgmma 75.4 us at 1 x 128K and
-    39.6 against 42.0 at 1 x 64K (H100); INT2 at 48 x 4K (1.5M token-heads) warp 76.3
-    against wgmma 92.3 us (call 96.1 against 119.2); at 1 x 4K (32K token-heads) wgmma's
-    call 12.6 against warp's 13.9 us (H200).
+    Measured (CUPTI; docs/mosaic_decode_notes.md): INT4 warp 71.5 against wgmma 75.4 us
+    at 1 x 128K and 39.6 against 42.0 at 1 x 64K (H100); INT2 at 48 x 4K (1.5M
+    token-heads) warp 76.3 against wgmma 92.3 us (call 96.1 against 119.2); at 1 x 4K (32K
+    token-heads) wgmma's call 12.6 against warp's 13.9 us (H200).
     """
     rec = record_words(bits, head_dim) * 4 + TILE * 4  # a record and its norms, bytes
     fits = [b for b in (256, 128, 64) if capacity % b == 0]

@@ -30,7 +30,7 @@ class Int2DecodeConfig:
     """Tuning of the kernel (validated; frozen so it can be a static jit argument).
 
     The defaults are the fastest configuration measured at 1 x 128K on the H200 (in-place
-    unpack by one LOP3, overlapped key wgmma, 8 splits a merge step; BENCHMARKS.md).
+    unpack by one LOP3, overlapped key wgmma, 8 splits a merge step; docs/mosaic_decode_notes.md).
 
     block_tokens: tokens per pipeline step (a multiple of 64).
     splits: split-K programs per (b, h) row; None: chosen so that B * H * splits fills
