@@ -3,7 +3,9 @@
 the Mosaic GPU INT2 / INT4 decode (variant key bits=4) against cuDNN BF16, XLA einsum BF16 and an XLA copy, in one run.
 Calls: "callX" the partials kernel + the ring and merge in XLA; "call2" + the ring and merge in
 a second Mosaic launch; "call3" the ring as the partials kernel's last split + a second launch
-that merges the splits (``ring_in_kernel=True``). These take the query rotated and in f32;
+that merges the splits (``ring_in_kernel=True``); "call1" (warp kernel variants) the one-launch
+call, one split a (b, h) walking its records and the ring and storing the output
+(``int2_decode_attention_1launch``). These take the query rotated and in f32;
 "3gemm" is call3 as the backend calls it: a bfloat16 query in the original basis, rotated
 by a GEMM in XLA first (its kernels counted).
 
@@ -251,6 +253,11 @@ def run_shape(b, L, variants, copies, flush=False):
                                                     ring_in_kernel=True)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
+        @jax.jit
+        def full1(q, recs, kns):
+            return [K.int2_decode_attention_1launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+                    for r, n in zip(recs, kns)]  # fmt: skip
+
         qb16 = q.astype(jnp.bfloat16)  # a model's query, original basis
 
         @jax.jit
@@ -275,6 +282,11 @@ def run_shape(b, L, variants, copies, flush=False):
                 if cfg.stage == "full"
                 else nan
             )
+            t_full1 = (
+                med(full1, q, rec_l, kn_l, flush=flush) / copies
+                if cfg.stage == "full" and cfg.kernel == "warp"
+                else nan
+            )
             det = med(full2, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)
             det3 = (
                 med(full3, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)
@@ -294,6 +306,7 @@ def run_shape(b, L, variants, copies, flush=False):
                    call2_frac_copy=int2_bytes / t_full2 / 1e3 / copy_rate, kernels_call2=det,
                    call3_us=t_full3, x_vs_fastest_bf16_call3=fastest / t_full3,
                    x_vs_cudnn_call3=t_cudnn / t_full3, kernels_call3=det3,
+                   call1_us=t_full1, x_vs_fastest_bf16_call1=fastest / t_full1,
                    call3_gemm_us=t_gemm3, x_vs_fastest_bf16_call3_gemm=fastest / t_gemm3)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -313,13 +326,13 @@ if __name__ == "__main__":
         run_shape(b, L, variants, 1 if flush else max(1, copies), flush=flush)
     print(f"bench done in {time.time() - t0:.0f}s")
     print(
-        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5} {'3gemm':>6} {'x3g':>5}"
+        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5} {'3gemm':>6} {'x3g':>5} {'call1':>6} {'x1':>5}"
     )
     for r in rows:
         print(
             f"{r['shape']:>9} {r['variant'][:30]:>30} {r['kernel_us']:6.1f} {r['call_us']:6.1f} {r['call2_us']:6.1f} {r['call3_us']:6.1f} {r['kernel_GBps']:5.0f} "
             f"{100 * r['kernel_frac_copy']:5.1f}% {100 * r['call2_frac_copy']:5.1f}% {r['cudnn_us']:6.1f} {r['xla_us']:6.1f} {r['x_vs_fastest_bf16_call']:5.2f} {r['x_vs_fastest_bf16_call2']:5.2f} {r['x_vs_fastest_bf16_call3']:5.2f}"
-            f" {r['call3_gemm_us']:6.1f} {r['x_vs_fastest_bf16_call3_gemm']:5.2f}"
+            f" {r['call3_gemm_us']:6.1f} {r['x_vs_fastest_bf16_call3_gemm']:5.2f} {r['call1_us']:6.1f} {r['x_vs_fastest_bf16_call1']:5.2f}"
         )
     if os.environ.get("OUT"):
         tag = os.environ.get("TAG", "bench")

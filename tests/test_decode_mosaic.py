@@ -32,6 +32,7 @@ from pallas_kernels.decode.mosaic import _warp as mk_warp
 D = 128
 PT = "per_token"
 FM = "fused_mosaic"  # the ring as the partials kernel's last split, the splits merged by Mosaic
+SG = "single"  # one launch: one split a (b, h) walks records and ring and stores the output
 
 
 def _cache(seed, b, lengths, h=2, param_dtype="float16", max_len=640, bits=2, d=D, **kw):
@@ -667,6 +668,11 @@ def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, fold):
         fn = jax.jit(lambda *a: mk.int2_decode_attention_2launch(
             *a, cfg=cfg, param_dtype=pdt, ring_in_kernel=True))  # fmt: skip
         fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
+        # the one-launch call: one split a (b, h), the ring and the output in its CTA
+        flags = s((b,), jnp.int32)
+        fn = jax.jit(lambda *a, f: mk.int2_decode_attention_1launch(
+            *a, cfg=cfg, param_dtype=pdt, out_dtype=jnp.bfloat16, flags=f, poison=1))  # fmt: skip
+        fn.trace(q, q, rec, kn, nq, *ring, f=flags).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.usefixtures("lowering_stack")
@@ -674,7 +680,7 @@ def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, fold):
     ("xla", True, 2, 128), ("mosaic", False, 2, 128), ("xla", True, 4, 128),
     ("mosaic", False, 4, 128), ("xla", True, 2, 64), ("mosaic", False, 4, 256),
     ("fused", True, 2, 128), ("fused", False, 4, 64), ("fused_mosaic", False, 2, 128),
-    ("fused_mosaic", False, 4, 256),
+    ("fused_mosaic", False, 4, 256), ("single", False, 2, 128), ("single", False, 4, 64),
 ])  # fmt: skip
 def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits, d):
     """The "mosaic" backend's call on a layout='record' cache (its arrays read as they are)."""
@@ -716,9 +722,14 @@ def test_auto_merge_puts_the_ring_where_it_costs_no_round():
         (2, 131072): "mosaic",  # 256 + 16
     }
     assert mk.auto_merge(mk.default_config(4096), 1, 8, 4096, True) == "xla"
+    # the warp kernel, B x H CTAs filling the 2 x 132 resident slots without splits: one launch
+    warp = {b: mk.auto_merge(mk.default_config(4096, rows=b * 8), b, 8, 4096, False)
+            for b in (32, 33, 48)}  # fmt: skip
+    assert warp == {32: "mosaic", 33: "single", 48: "single"}  # 32 x 8: one round, no room
+    assert mk.auto_merge(mk.default_config(4096, rows=384), 48, 8, 4096, True) == "xla"
 
 
-@pytest.mark.parametrize("merge", ["mosaic", "fused_mosaic"])
+@pytest.mark.parametrize("merge", ["mosaic", "fused_mosaic", "single"])
 def test_mosaic_merges_refuse_rotated_values(merge):
     """The second launch merges the splits as they are (no un-rotation of the values)."""
     c = _cache(9, 1, [600], layout="record")  # rotate_values=True
@@ -753,8 +764,8 @@ def test_default_config_fits_the_stages_in_shared_memory():
 @pytest.mark.usefixtures("lowering_stack")
 def test_backend_on_many_short_rows_lowers_the_warp_kernel():
     """48 rows x 8 KV heads x 4K tokens (1.5M token-heads): the default call lowers with the
-    warp kernel and, values unrotated and 3 rounds of CTAs, the ring split and the split
-    merge (``auto_merge``)."""
+    warp kernel and, values unrotated and 384 CTAs without splits, as one launch
+    (``auto_merge``: "single")."""
     kv = oj.preset("oscar", rotate_values=False).replace(layout="record")
 
     def make():
@@ -765,7 +776,9 @@ def test_backend_on_many_short_rows_lowers_the_warp_kernel():
     c = jax.eval_shape(make)  # shapes only: nothing is quantized on the CPU
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c))
     text = fn.trace(query(5, 48, 32, D), c).lower(lowering_platforms=("cuda",)).as_text()
-    assert "oscar_decode_int2_warp_partials" in text and "oscar_decode_split_merge" in text
+    launches = ("oscar_decode_int2_warp_single", "oscar_decode_int2_warp_partials",
+                "oscar_decode_split_merge", "oscar_decode_int2_ring_merge")  # fmt: skip
+    assert [n for n in launches if n in text] == ["oscar_decode_int2_warp_single"]
 
 
 @pytest.mark.usefixtures("lowering_stack")
@@ -975,6 +988,20 @@ class TestMosaicGPU:
                 dict(kernel="warp", rotate_values=False, bits=4, merge=FM),
             ),
             ([2900, 77], 1, "float16", dict(rotate_values=False, merge=FM)),
+            # one launch: the ring walked after the records by the same CTA (rows of 0 and 33)
+            ([990, 481], 8, "float16", dict(kernel="warp", d=64, rotate_values=False, merge=SG)),
+            (
+                [3100, 0, 33],
+                3,
+                "bfloat16",
+                dict(kernel="warp", rotate_values=False, bits=4, merge=SG),
+            ),  # fmt: skip
+            (
+                [2000, 1999],
+                7,
+                "float16",
+                dict(kernel="warp", block_tokens=128, rotate_values=False, merge=SG),
+            ),  # fmt: skip
         ],
     )
     def test_fused_ring_split_matches_xla(self, lengths, g, param_dtype, kw):
@@ -996,7 +1023,8 @@ class TestMosaicGPU:
 
     @pytest.mark.parametrize("merge,knobs", [
         ("fused_mosaic", dict(kernel="warp")), ("mosaic", dict()),
-        ("fused_mosaic", dict(kernel="warp", bits=4, d=64)),
+        ("fused_mosaic", dict(kernel="warp", bits=4, d=64)), ("single", dict(kernel="warp")),
+        ("single", dict(kernel="warp", bits=4, d=64)),
     ])  # fmt: skip
     def test_second_launch_writes_the_final_output(self, merge, knobs):
         """The merge launch writes [B, Hq, D] in the query's dtype itself: the heads past g
@@ -1039,6 +1067,9 @@ class TestMosaicGPU:
             (48, "fused", dict(kernel="warp")),
             (16, "fused_mosaic", dict(kernel="warp", splits=1)),
             (24, "fused_mosaic", dict(kernel="warp", bits=4, block_tokens=128)),
+            (48, "single", dict(kernel="warp")),
+            (48, "single", dict(kernel="warp", block_tokens=128)),
+            (24, "single", dict(kernel="warp", bits=4, d=64)),
         ],
     )
     def test_many_rows_match_xla(self, b, merge, knobs):

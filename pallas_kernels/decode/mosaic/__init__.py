@@ -26,6 +26,9 @@ import where the kernel cannot run). Entry points (the record layout itself:
     decode call in two Mosaic GPU launches (split-K partials; ring + LSE merge, which writes
     the output in its final layout and dtype, flagged rows NaN) after the query prep in XLA.
     Values must be in the original basis (no run-time un-rotation).
+  * ``int2_decode_attention_1launch(...same..., out_dtype, flags, poison)``: the whole
+    call in one launch of the warp kernel (one split a (b, h); its CTA walks the ring after
+    its records and stores the output): for batches that fill the GPU without splits.
   * ``int2_decode_attention(...same..., unrotate=None)``: the partials kernel + the ring
     and merge in XLA (~10 small fusions), with an optional value un-rotation.
   * ``int2_decode_attention_fused(...same..., unrotate=None)``: the ring as one more split of
@@ -89,6 +92,7 @@ from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
 from pallas_kernels.decode.mosaic._merge import (
     int2_decode_attention,
+    int2_decode_attention_1launch,
     int2_decode_attention_2launch,
     int2_decode_attention_fused,
     int2_merge_ring,
@@ -103,7 +107,8 @@ __all__ = [
     "Int2DecodeConfig",
     "auto_merge", "decode_attention_mosaic", "default_config", "fragment_layout",
     "fragment_layout_inverse",
-    "int2_decode_attention", "int2_decode_attention_2launch", "int2_decode_attention_fused",
+    "int2_decode_attention", "int2_decode_attention_1launch", "int2_decode_attention_2launch",
+    "int2_decode_attention_fused",
     "int2_decode_partials", "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring",
     "merge_splits_with_ring_split", "merge_step_for",
     "offsets", "quantized_partial_mosaic", "record_words", "unsupported_reason",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from oscar_jax import attention as att
@@ -12,6 +14,7 @@ from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
 from pallas_kernels.decode.mosaic._merge import (
     int2_decode_attention,
+    int2_decode_attention_1launch,
     int2_decode_attention_2launch,
     int2_decode_attention_fused,
     weigh_splits,
@@ -19,8 +22,10 @@ from pallas_kernels.decode.mosaic._merge import (
 
 # how the ring and the splits are merged: "xla" both in XLA; "mosaic" both in a second
 # Mosaic launch; "fused" the ring as one more split of the partials kernel, the splits merged
-# in XLA; "fused_mosaic" the same ring split, the splits merged by the second launch
-MERGES = ("auto", "xla", "mosaic", "fused", "fused_mosaic")
+# in XLA; "fused_mosaic" the same ring split, the splits merged by the second launch;
+# "single" no second launch: one split a (b, h) walks its records and the ring and stores the
+# output (the warp kernel)
+MERGES = ("auto", "xla", "mosaic", "fused", "fused_mosaic", "single")
 
 
 def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
@@ -49,7 +54,9 @@ STAGE_BYTES = 86_000  # shared memory for the TMA stages of one program (two an 
 def auto_merge(cfg: Int2DecodeConfig, b: int, h: int, capacity: int, rotate_values: bool,
                num_sms: int = 132) -> str:  # fmt: skip
     """``merge="auto"``'s choice. Rotated values: "xla" (the un-rotation is an XLA GEMM).
-    Else the ring as the kernel's last split ("fused_mosaic": one query, one ring walk in
+    With the warp kernel and at least one CTA a resident slot without splits (B x H >=
+    ctas_per_sm x num_sms), the whole call in one launch ("single"). Else the ring as the
+    kernel's last split ("fused_mosaic": one query, one ring walk in
     the big launch, a merge launch of the splits alone) unless its B x H CTAs spill a round
     of resident CTAs into a new one while there are fewer than 3 rounds: then the ring goes
     to the merge launch ("mosaic"). Measured (CUPTI, BENCHMARKS.md): the ring split is
@@ -58,8 +65,10 @@ def auto_merge(cfg: Int2DecodeConfig, b: int, h: int, capacity: int, rotate_valu
     a second: +5.5 us on an H200, +12.8 on an H100)."""
     if rotate_values:
         return "xla"
-    _, s = cfg.split_plan(b, h, capacity)
     slots = cfg.ctas_per_sm * num_sms
+    if cfg.kernel == "warp" and b * h >= slots:
+        return "single"
+    _, s = cfg.split_plan(b, h, capacity)
     rounds = -(-(b * h * s) // slots)
     spills = -(-(b * h * (s + 1)) // slots) > rounds
     return "mosaic" if spills and rounds < 3 else "fused_mosaic"
@@ -134,8 +143,11 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     (``int2_decode_attention_2launch``; values must not be rotated), ``"fused"`` the ring as
     one more split of the partials kernel and one XLA merge of the splits
     (``int2_decode_attention_fused``), ``"fused_mosaic"`` that ring split and the second
-    launch's merge of the splits (values not rotated), ``"auto"`` as ``auto_merge`` picks
-    (XLA for rotated values, else one of the two Mosaic merges by the shape).
+    launch's merge of the splits (values not rotated), ``"single"`` one launch of the warp
+    kernel with one split a (b, h) that walks the ring and stores the output itself
+    (``int2_decode_attention_1launch``; values not rotated; ValueError for a ``cfg`` of
+    the wgmma kernel), ``"auto"`` as ``auto_merge`` picks (XLA for rotated values, else
+    one of the Mosaic calls by the shape).
     INT2 or INT4 records (the cache's bits). NaN for
     FLAG_NONFINITE rows as the library's attention. ValueError for a cache
     ``unsupported_reason`` names.
@@ -147,17 +159,27 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     if merge not in MERGES:
         raise ValueError(f"{merge=} must be one of {MERGES}")
     kcfg, b, h = cache.cfg, cache.batch, cache.num_kv_heads
-    if merge in ("mosaic", "fused_mosaic") and kcfg.rotate_values:
+    if merge in ("mosaic", "fused_mosaic", "single") and kcfg.rotate_values:
         raise ValueError(f"{merge=} needs values stored unrotated (rotate_values=False)")
     pdt = jnp.dtype(kcfg.scale_dtype)
     if cfg is None:
         cfg = default_config(cache.quant_capacity, kcfg.bits, cache.head_dim, g, rows=b * h)
+        if merge == "single":  # the one-launch call is the warp kernel's
+            cfg = dataclasses.replace(cfg, kernel="warp")
     if merge == "auto":
         merge = auto_merge(cfg, b, h, cache.quant_capacity, kcfg.rotate_values)
     rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
     # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
     q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
+    if merge == "single":
+        if cfg.kernel != "warp":
+            raise ValueError(f"{merge=} runs the warp kernel: {cfg.kernel=}")
+        out = int2_decode_attention_1launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
+                                            ring_valid, cfg=cfg, softmax_scale=softmax_scale,
+                                            param_dtype=pdt, out_dtype=q.dtype,
+                                            flags=cache.flags, poison=FLAG_NONFINITE)  # fmt: skip
+        return out.reshape(q.shape)
     if merge in ("mosaic", "fused_mosaic"):
         # the merge launch writes the output as the library returns it (layout, dtype and
         # the poisoned rows): no XLA fusion after the kernels

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +11,9 @@ import numpy as np
 from oscar_jax.record import TILE
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
+from pallas_kernels.decode.mosaic._output import store_output
 from pallas_kernels.decode.mosaic._ring import ring_dtype, ring_mask, ring_query, ring_walk
+from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
 
 def weigh_splits(acc, m2, l, m_ref):
@@ -212,22 +216,12 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             init_carry=(m, lsum, o),
         )
         m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, D, 16], [S * 2, 16]
-        inv = jnp.where(lsum > 0, 1.0 / jnp.where(lsum > 0, lsum, 1.0), 0.0)
-        inv_b = jax.lax.broadcast_in_dim(inv, (TILE, NPAD), [1])
-        o_smem[...] = o * inv_b
-        plgpu.commit_smem()
         if final is None:
-            plgpu.copy_smem_to_gmem(o_smem, out_ref.at[bi, hi, ci])
-        else:  # O^T [64, 16] read back transposed, cast, the first g rows stored by TMA
-            ot = plgpu.load(o_smem.transpose((1, 0)), (),
-                            layout=plgpu.Layout.WG_STRIDED((NPAD, TILE), 1))  # fmt: skip
-            if has_flags:
-                bad = (flags_ref[bi] & poison) != 0
-                ot = ot + jnp.where(bad, jnp.nan, 0.0).astype(f32)
-            t_smem[...] = ot.astype(out_dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(t_smem.at[pl.ds(0, g)],
-                                    out_ref.at[bi, hi, :, pl.ds(ci * TILE, TILE)])  # fmt: skip
+            store_output(o, lsum, o_smem, out_ref.at[bi, hi, ci])
+        else:
+            bad = (flags_ref[bi] & poison) != 0 if has_flags else None
+            store_output(o, lsum, o_smem, out_ref.at[bi, hi, :, pl.ds(ci * TILE, TILE)],
+                         t_smem=t_smem, bad=bad)  # fmt: skip
         plgpu.wait_smem_to_gmem(0)
 
     ring_scratch = [
@@ -281,3 +275,24 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
                            final=final)  # fmt: skip
+
+
+def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+                                  cfg: Int2DecodeConfig, softmax_scale=None,
+                                  param_dtype=jnp.float16, out_dtype=None, flags=None,
+                                  poison=0):  # fmt: skip
+    """As ``int2_decode_attention_2launch`` in one Mosaic launch: the warp kernel
+    (``cfg.kernel == "warp"``) with one split a (b, h), each CTA walking its records, then
+    the ring, and storing the merged output ([B, H, g, D] in ``out_dtype``, None: q's; NaN
+    for the rows whose ``flags`` have ``poison`` bits). For batches whose B x H CTAs fill
+    the GPU by themselves: no partials round trip, no merge launch."""
+    if cfg.kernel != "warp":
+        raise ValueError(f"the one-launch call runs the warp kernel: {cfg.kernel=}")
+    g = q.shape[2]
+    rdt = ring_dtype(k_res)
+    ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
+            ring_mask(ring_valid))  # fmt: skip
+    final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
+    return warp_decode_partials(q_rot, rec, kn, nq, cfg=dataclasses.replace(cfg, splits=1),
+                                softmax_scale=softmax_scale, param_dtype=param_dtype, ring=ring,
+                                final=final)  # fmt: skip

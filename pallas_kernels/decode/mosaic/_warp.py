@@ -38,6 +38,7 @@ from oscar_jax.record import (
 )
 from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, scaled_query
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
+from pallas_kernels.decode.mosaic._output import store_output
 from pallas_kernels.decode.mosaic._ring import ring_walk
 
 NW = 8  # the mma's N: query heads a KV head (g <= 8)
@@ -463,12 +464,18 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
-                         param_dtype=jnp.float16, ring=None):  # fmt: skip
+                         param_dtype=jnp.float16, ring=None, final=None):  # fmt: skip
     """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
     (acc [B, H, S (+ 1), D / 64, 64, 16] f32, ml [B, H, S (+ 1), 2, 16] f32); INT2 or INT4
     records, g <= 8. ``ring`` as ``_partials_raw``'s: one more split (the last) walks the
     full-precision ring with wgmma (``_ring.ring_walk``) while the others walk records, so
-    the ring's bytes stream in the same launch as the records'."""
+    the ring's bytes stream in the same launch as the records'.
+
+    ``final=(g, out_dtype, flags, poison)`` (with ``ring``, and a plan of one split a row):
+    the whole call in this launch. Each CTA walks its (b, h)'s records, then the ring, merges
+    the two and stores the output as ``int2_merge_ring``'s ``final`` does ([B, H, g, D] in
+    out_dtype, NaN for flagged rows): no second launch, for batches whose B x H CTAs fill the
+    GPU without splits."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -487,6 +494,10 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     bt = cfg.block_tokens
     nsub = bt // TILE
     bps, s = cfg.split_plan(b, h, lp)
+    if final is not None and (ring is None or s != 1):
+        raise ValueError(f"final= takes the ring and one split a row (splits=1): {s=} "
+                         f"splits planned, ring given: {ring is not None}")  # fmt: skip
+    has_flags = final is not None and final[2] is not None
     pdt = jnp.dtype(param_dtype)
     qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
     nw = query_words(d, cfg.fold)
@@ -500,14 +511,55 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     layq = ST((128 * nw,), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
+        if has_flags:
+            flags_ref, *refs = refs
         if ring is None:
             acc_out, ml_out, q_smem, o_smem, ml_smem, xm_smem, q_bar = refs
-        else:
+        elif final is None:
             qr_ref, kr_ref, vr_ref, mask_ref, acc_out, ml_out, q_smem, o_smem, ml_smem, \
                 xm_smem, q_bar, qr_smem, pr_smem, qr_bar = refs  # fmt: skip
+        else:
+            qr_ref, kr_ref, vr_ref, mask_ref, out_ref, q_smem, o_smem, ml_smem, xm_smem, \
+                q_bar, qr_smem, pr_smem, qr_bar, t_smem = refs  # fmt: skip
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
         si = jax.lax.axis_index("s")
+
+        def walk_ring():
+            plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
+            plgpu.barrier_wait(qr_bar)
+            return ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi], vr_ref.at[bi, hi],
+                             mask_ref.at[bi], range(nmt), slots=ring[1].shape[2])  # fmt: skip
+
+        if final is not None:
+
+            def ring_and_output():
+                """After ``finish``: the ring, the LSE merge with the records' partials in
+                o_smem / ml_smem, the output."""
+                # finish's stores visible to every warp, and the records' slots (read by
+                # plain loads) fenced against the ring pipeline's TMA writes into them
+                plgpu.commit_smem()
+                with jax.named_scope("ring"):
+                    m_r, l_r, *outs = walk_ring()
+                with jax.named_scope("store"):
+                    wg = plgpu.Layout.WGMMA
+                    m_q = plgpu.load(ml_smem.at[0], layout=wg.reduce(0))
+                    l_q = plgpu.load(ml_smem.at[1], layout=wg.reduce(0))
+                    m_all = jnp.maximum(m_q, m_r)
+                    c_q, c_r = jnp.exp2(m_q - m_all), jnp.exp2(m_r - m_all)
+                    lsum = l_q * c_q + jnp.sum(l_r, axis=0) * c_r
+                    bc = lambda x: jax.lax.broadcast_in_dim(x, (TILE, NPAD), [1])  # noqa: E731
+                    bad = (flags_ref[bi] & final[3]) != 0 if has_flags else None
+                    for mt, o_r in enumerate(outs):
+                        o = plgpu.load(o_smem.at[mt], layout=wg) * bc(c_q) + o_r * bc(c_r)
+                        store_output(o, lsum, o_smem.at[mt],
+                                     out_ref.at[bi, hi, :, pl.ds(mt * TILE, TILE)],
+                                     t_smem=t_smem.at[mt], bad=bad)  # fmt: skip
+                    plgpu.wait_smem_to_gmem(0)
+
+            records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
+                    xm_smem, q_bar, ring_and_output)  # fmt: skip
+            return
 
         def store():
             plgpu.commit_smem()
@@ -528,11 +580,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         @pl.when(si == s)
         def _():
             with jax.named_scope("ring"):
-                plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
-                plgpu.barrier_wait(qr_bar)
-                m, l_acc, *outs = ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi],
-                                            vr_ref.at[bi, hi], mask_ref.at[bi], range(nmt),
-                                            slots=ring[1].shape[2])  # fmt: skip
+                m, l_acc, *outs = walk_ring()
                 for mt, o in enumerate(outs):
                     o_smem[mt] = o
                 ml_smem[0] = m
@@ -592,24 +640,30 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         with jax.named_scope("store"):
             store()
 
-    sr = s + (ring is not None)  # splits written
+    sr = s + (ring is not None and final is None)  # splits written
     b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     ring_scratch = [] if ring is None else [
         plgpu.SMEM((d, NPAD), ring[0].dtype, transforms=b_tr),
         plgpu.SMEM((TILE, NPAD), ring[0].dtype, transforms=b_tr),
         plgpu.Barrier(num_arrivals=1),
     ]  # fmt: skip
+    if final is None:
+        out_type = (jax.ShapeDtypeStruct((b, h, sr, nmt, TILE, NPAD), f32),
+                    jax.ShapeDtypeStruct((b, h, sr, 2, NPAD), f32))  # fmt: skip
+        final_scratch, fl = [], ()
+    else:
+        out_type = jax.ShapeDtypeStruct((b, h, final[0], d), final[1])
+        final_scratch = [plgpu.SMEM((nmt, NPAD, TILE), final[1])]
+        fl = (final[2].astype(jnp.int32),) if has_flags else ()
     profile = {}
     if cfg.profile_dir:  # a region a phase and a step, a warpgroup: bps steps + 4 + slack
         profile = dict(profile_space=bps + 8, profile_dir=cfg.profile_dir,
                        profile_bounds_check=True)  # fmt: skip
     fn = plgpu.kernel(
         kernel,
-        kernel_name=f"oscar_decode_int{bits}_warp_partials",  # its name in profiles and ncu -k
-        out_type=(
-            jax.ShapeDtypeStruct((b, h, sr, nmt, TILE, NPAD), f32),
-            jax.ShapeDtypeStruct((b, h, sr, 2, NPAD), f32),
-        ),
+        # its name in profiles and ncu -k
+        kernel_name=f"oscar_decode_int{bits}_warp_{'partials' if final is None else 'single'}",
+        out_type=out_type,
         scratch_types=[
             plgpu.SMEM((32, nw), jnp.uint32),
             plgpu.SMEM((nmt, TILE, NPAD), f32),
@@ -617,6 +671,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             plgpu.SMEM((2, 4, NW), f32),
             plgpu.Barrier(num_arrivals=1),
             *ring_scratch,
+            *final_scratch,
         ],
         grid=(b, h, sr),
         grid_names=("b", "h", "s"),
@@ -625,7 +680,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         ),
     )
     rec3 = rec.reshape(b, h, nrec, words // 64, 64)
-    return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *(ring or ()))
+    return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *fl, *(ring or ()))
 
 
 __all__ = ["query_fragments", "value_param_word", "value_source", "warp_decode_partials"]
