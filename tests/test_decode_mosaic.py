@@ -722,10 +722,16 @@ def test_auto_merge_puts_the_ring_where_it_costs_no_round():
         (2, 131072): "mosaic",  # 256 + 16
     }
     assert mk.auto_merge(mk.default_config(4096), 1, 8, 4096, True) == "xla"
-    # the warp kernel, B x H CTAs filling the 2 x 132 resident slots without splits: one launch
+    # the warp kernel, B x H CTAs filling >= 85% of their rounds of resident slots: one launch
     warp = {b: mk.auto_merge(mk.default_config(4096, rows=b * 8), b, 8, 4096, False)
-            for b in (32, 33, 48)}  # fmt: skip
-    assert warp == {32: "mosaic", 33: "single", 48: "single"}  # 32 x 8: one round, no room
+            for b in (32, 33, 40, 48, 64, 67)}  # fmt: skip
+    assert warp == {
+        32: "single", 33: "single",  # 256 and 264 CTAs on 2 x 132 slots
+        40: "fused_mosaic",  # 320: 61% of 2 rounds of 264, 81% of one of 396
+        48: "single",  # 384: 97% of 3 x 132 (128-token blocks)
+        64: "single",  # 512: 97% of 2 rounds of 264
+        67: "fused_mosaic",  # 536: 68% either way
+    }  # fmt: skip
     assert mk.auto_merge(mk.default_config(4096, rows=384), 48, 8, 4096, True) == "xla"
 
 
@@ -759,6 +765,13 @@ def test_default_config_fits_the_stages_in_shared_memory():
     assert [mk.default_config(4096, 2, 128, 4, rows=r).kernel for r in (None, 8, 255, 256)] == [
         "wgmma", "wgmma", "wgmma", "warp",
     ]  # fmt: skip
+    # INT2 rows filling 3 CTAs an SM better than 2 (for the one-launch call): 128-token blocks
+    got = {(bits, r): mk.default_config(4096, bits, 128, 4, rows=r)
+           for bits in (2, 4) for r in (320, 384, 512)}  # fmt: skip
+    assert {k: (c.block_tokens, c.ctas_per_sm) for k, c in got.items()} == {
+        (2, 320): (256, 2), (2, 384): (128, 3), (2, 512): (256, 2),
+        (4, 320): (256, 2), (4, 384): (256, 2), (4, 512): (256, 2),
+    }  # fmt: skip
 
 
 @pytest.mark.usefixtures("lowering_stack")

@@ -48,16 +48,27 @@ def unsupported_reason(cache, g: int = 1, convert: bool = False) -> str | None:
     return None
 
 
+NUM_SMS = 132  # H100 and H200
 STAGE_BYTES = 86_000  # shared memory for the TMA stages of one program (two an SM)
+# the one-launch call ("single") when its B x H CTAs fill at least this share of the rounds of
+# resident CTAs they take; measured (H100, CUPTI, 48 / 64 / 40 rows x 8 heads x 4K):
+# fill 0.97 -> 86.0 / 105.0 us against the split call's 92.4 / 122.6, fill 0.81 -> 84.7
+# against 83.3, fill 0.61-0.73 -> 11-14% slower (its tail round runs CTAs alone on an SM)
+SINGLE_MIN_FILL = 0.85
+
+
+def round_fill(ctas: int, slots: int) -> float:
+    """The share of ``slots`` x rounds that ``ctas`` equal CTAs keep busy."""
+    return ctas / (-(-ctas // slots) * slots)
 
 
 def auto_merge(cfg: Int2DecodeConfig, b: int, h: int, capacity: int, rotate_values: bool,
-               num_sms: int = 132) -> str:  # fmt: skip
+               num_sms: int = NUM_SMS) -> str:  # fmt: skip
     """``merge="auto"``'s choice. Rotated values: "xla" (the un-rotation is an XLA GEMM).
-    With the warp kernel and at least one CTA a resident slot without splits (B x H >=
-    ctas_per_sm x num_sms), the whole call in one launch ("single"). Else the ring as the
-    kernel's last split ("fused_mosaic": one query, one ring walk in
-    the big launch, a merge launch of the splits alone) unless its B x H CTAs spill a round
+    With the warp kernel and B x H CTAs that fill their rounds of ctas_per_sm x num_sms
+    resident slots (``SINGLE_MIN_FILL``), the whole call in one launch ("single"). Else the
+    ring as the kernel's last split ("fused_mosaic": one query, one ring walk in the big
+    launch, a merge launch of the splits alone) unless its B x H CTAs spill a round
     of resident CTAs into a new one while there are fewer than 3 rounds: then the ring goes
     to the merge launch ("mosaic"). Measured (CUPTI, BENCHMARKS.md): the ring split is
     faster at 1 x 128K (its 8 CTAs fit the round) and 48 x 4K (3 rounds: the short ring
@@ -66,7 +77,7 @@ def auto_merge(cfg: Int2DecodeConfig, b: int, h: int, capacity: int, rotate_valu
     if rotate_values:
         return "xla"
     slots = cfg.ctas_per_sm * num_sms
-    if cfg.kernel == "warp" and b * h >= slots:
+    if cfg.kernel == "warp" and round_fill(b * h, slots) >= SINGLE_MIN_FILL:
         return "single"
     _, s = cfg.split_plan(b, h, capacity)
     rounds = -(-(b * h * s) // slots)
@@ -95,7 +106,10 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
     Measured (CUPTI; docs/mosaic_decode_notes.md): INT4 warp 71.5 against wgmma 75.4 us
     at 1 x 128K and 39.6 against 42.0 at 1 x 64K (H100); INT2 at 48 x 4K (1.5M
     token-heads) warp 76.3 against wgmma 92.3 us (call 96.1 against 119.2); at 1 x 4K (32K
-    token-heads) wgmma's call 12.6 against warp's 13.9 us (H200).
+    token-heads) wgmma's call 12.6 against warp's 13.9 us (H200). INT2 warp rows that fill
+    the rounds of three CTAs an SM (``SINGLE_MIN_FILL``) better than of two take 128-token
+    blocks, three an SM, for the one-launch call: at 48 x 4K 86.0 us against 96.3 at
+    256-token blocks (H100).
     """
     rec = record_words(bits, head_dim) * 4 + TILE * 4  # a record and its norms, bytes
     fits = [b for b in (256, 128, 64) if capacity % b == 0]
@@ -103,6 +117,13 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
     stages = max(1, min(3, STAGE_BYTES // (rec * block // TILE)))
     many = capacity >= WARP_MIN_CAPACITY or (rows or 0) * capacity >= WARP_MIN_TOKEN_HEADS
     warp = head_dim <= 128 and (g is None or g <= 8) and many
+    if warp and bits == 2 and rows and capacity % 128 == 0:
+        # INT2 at 128-token blocks: 134 registers and 40 KB of stages, three CTAs an SM; taken
+        # when that lets the one-launch call's rows fill their rounds (48 x 8 on 3 x 132)
+        f2, f3 = round_fill(rows, 2 * NUM_SMS), round_fill(rows, 3 * NUM_SMS)
+        if f3 >= SINGLE_MIN_FILL and f3 > f2:
+            return Int2DecodeConfig(block_tokens=128, max_concurrent_steps=3, ctas_per_sm=3,
+                                    kernel="warp")  # fmt: skip
     return Int2DecodeConfig(block_tokens=block, max_concurrent_steps=stages,
                             kernel="warp" if warp else "wgmma")  # fmt: skip
 
