@@ -192,8 +192,8 @@ def run_shape(b, L, variants, copies, flush=False):
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, HKV, g, DH), jnp.float32)
     k_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
     v_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
-    ring_valid = jnp.broadcast_to(jnp.arange(RING)[None] < 128, (b, RING))
     nq = jnp.full((b,), nq_n, jnp.int32)
+    lengths = nq + 128  # 128 of the ring's slots hold tokens
     base = dict(
         shape=f"{b}x{L}",
         copies=copies,
@@ -235,17 +235,17 @@ def run_shape(b, L, variants, copies, flush=False):
 
         @jax.jit
         def full(q, recs, kns):
-            return [K.int2_decode_attention(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+            return [K.int2_decode_attention(q, q, r, n, nq, k_res, v_res, lengths, cfg=cfg)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
         def full2(q, recs, kns):
-            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, lengths, cfg=cfg)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
         def full3(q, recs, kns):
-            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg,
+            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, lengths, cfg=cfg,
                                                     ring_in_kernel=True)
                     for r, n in zip(recs, kns)]  # fmt: skip
 

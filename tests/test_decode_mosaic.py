@@ -530,7 +530,7 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, final):
     g, poison = 5, 4
     flags = jnp.array([poison | 1, 2], jnp.int32)  # row 0 poisoned, row 1 another flag only
     fin = None if final is None else (g, jnp.dtype(final), flags, poison)
-    fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, step=step,
+    fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, None, step=step,
                                                  final=fin))  # fmt: skip
     fn.trace(acc, ml).lower(lowering_platforms=("cuda",))
     with plgpu.force_gpu_interpret_mode():
@@ -567,7 +567,7 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
     if stage == "full":
         ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
-                s((b, 160), jnp.bool_))  # fmt: skip
+                s((b,), jnp.int32))  # lengths  # fmt: skip
         calls = (
             mk.int2_decode_attention_2launch,
             mk.int2_decode_attention_fused,
@@ -633,7 +633,7 @@ def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, fold):
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
     if fold == "none":  # the ring as the last split (wgmma in a CTA of the warp kernel)
         ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
-                s((b, 160), jnp.bool_))  # fmt: skip
+                s((b,), jnp.int32))  # lengths  # fmt: skip
         fn = jax.jit(lambda *a: mk.int2_decode_attention_2launch(
             *a, cfg=cfg, param_dtype=pdt, ring_in_kernel=True))  # fmt: skip
         fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))

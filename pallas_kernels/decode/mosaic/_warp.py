@@ -18,7 +18,8 @@ warp loads d / 64 words a lane an owner warp, the lanes contiguous; at INT2 the 
 shifted by 8 (w % 2) bits; then the usual in-place unpack. The carry is
 per thread (m, l of its two heads, O^T's D / 4 f32); the 4 warps' partials are merged once
 at the end through shared memory. GQA g <= 8 (N = 8), INT2 and INT4 records; the query
-comes pre-permuted into B-fragment words (``query_fragments``).
+comes as it is ([g, D] f32); each lane builds its B-fragment words (``load_q``; reference:
+``query_fragments``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from oscar_jax.record import (
     record_format,
     value_code_word,
 )
-from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, scaled_query
+from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, query_scale
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
 from pallas_kernels.decode.mosaic._ring import ring_walk
 
@@ -62,9 +63,9 @@ def value_param_word(d: int, w: int, lane: int, grp: int, sz: int, kh: int) -> i
 
 
 def query_fragments(qt):
-    """qt [B, H, 8, D] 16-bit (heads padded to 8) -> [B, H, 32, D / 8] uint32: lane l's B
-    fragment words of k-step kk (Q^T[16 kk + 2 j + 8 half + (0, 1), l // 4], j = l % 4) at
-    2 kk + half."""
+    """The reference of the query registers ``load_q`` builds in the kernel: qt [B, H, 8, D]
+    16-bit (heads padded to 8) -> [B, H, 32, D / 8] uint32: lane l's B fragment words of
+    k-step kk (Q^T[16 kk + 2 j + 8 half + (0, 1), l // 4], j = l % 4) at 2 kk + half."""
     b, h, n, d = qt.shape
     x = qt.reshape(b, h, n, d // 16, 2, 4, 2)  # [.., head, kk, half, j, e]
     x = jnp.transpose(x, (0, 1, 2, 5, 3, 4, 6))  # [.., head, j, kk, half, e]
@@ -107,17 +108,24 @@ def query_words(d: int, fold: str) -> int:
     return d // 8 + (d // 8 + NX if fold != "none" else 0)
 
 
+def fold_word_order(n: int) -> list[int]:
+    """The zero mma's B pairs of the folded kernel: the query's n fragment words in the
+    order of channel blocks 4i, 4i + 2, 4i + 1, 4i + 3 for each i."""
+    return [4 * i + k for i in range(n // 4) for k in (0, 2, 1, 3)]
+
+
 def fold_inputs(qf, bits: int, pdt):
-    """The query buffer of the folded kernel: qf [B, H, 32, D/8] (``query_fragments``) ->
-    [B, H, 32, D/4 + NX]: the B fragment words, the same words as the zero mma's B pairs
-    (channel blocks 4i, 4i + 2, 4i + 1, 4i + 3 for each i), then ``fold_constants``."""
+    """What the folded kernel's ``load_q`` holds a lane (the reference of its registers):
+    qf [B, H, 32, D/8] (``query_fragments``) -> [B, H, 32, D/4 + NX]: the B fragment
+    words, the same words as the zero mma's B pairs (``fold_word_order``), then
+    ``fold_constants``."""
     b, h, _, n = qf.shape
-    perm = np.array([4 * i + k for i in range(n // 4) for k in (0, 2, 1, 3)])
     kx = jnp.broadcast_to(jnp.asarray(fold_constants(bits, pdt)), (b, h, 32, NX))
-    return jnp.concatenate([qf, qf[..., perm], kx], axis=-1)
+    return jnp.concatenate([qf, qf[..., np.array(fold_word_order(n))], kx], axis=-1)
 
 
-def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = ""):
+def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = "",
+              g: int = NW, qscale: float = 1.0):  # fmt: skip
     """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
     block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
     into the CTA's partials in shared memory)."""
@@ -271,12 +279,24 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
         return as_i32(arith.mulf(as_v2(a), as_v2(b)))
 
     def load_q(ctx, q_ref):
-        """This lane's B fragment words of the query (loop-invariant registers)."""
+        """This lane's B fragment words of the query (loop-invariant registers), built from
+        q_ref [g, D] f32 (the rotated query as it is): times ``qscale``, rounded to the
+        parameter dtype, paired (``query_fragments``' words; zero for the heads past g),
+        then with a fold ``fold_inputs``' permuted pairs and constants."""
         del ctx
-        lane = lanes()[3]
+        _, _, j, _, gid = lanes()
+        live = arith.cmpi(arith.CmpIPredicate.ult, gid, c32(g))
+        row = idx(arith.minui(gid, c32(g - 1)))
+        zero, sc = c32(0), cf(qscale)
         qw = []
-        for k in range(query_words(d, fold) // 4):
-            qw += words(vector.load(ir.VectorType.get((4,), i32()), q_ref, [idx(lane), idx(4 * k)]))
+        for kk in range(d // 16):
+            for half in range(2):
+                col = arith.addi(arith.muli(j, c32(2)), c32(16 * kk + 8 * half))
+                lo, hi = words(vector.load(ir.VectorType.get((2,), f32()), q_ref, [row, idx(col)]))
+                qw.append(arith.select(live, pack(arith.mulf(lo, sc), arith.mulf(hi, sc)), zero))
+        if fold != "none":
+            qw += [qw[i] for i in fold_word_order(d // 8)]
+            qw += [c32(int(x) - (1 << 32) * (int(x) >> 31)) for x in fold_constants(bits, pdt)]
         return strided(qw)
 
     def step(ctx, rec_ref, n_ref, q_a, lim_a, m_a, l_a, o_a):
@@ -488,12 +508,12 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     nsub = bt // TILE
     bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
-    qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
+    # the kernel scales, rounds and pairs the query itself (``load_q``): no XLA launch before it
+    qf = q_rot.astype(jnp.float32)  # [B, H, g, D]
     nw = query_words(d, cfg.fold)
-    if cfg.fold != "none":
-        qf = fold_inputs(qf, bits, pdt)  # [B, H, 32, D/4 + NX]
     probe = cfg.stage.removeprefix("probe_") if cfg.stage.startswith("probe_") else ""
-    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe)
+    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe, g=g,
+                                     qscale=query_scale(softmax_scale, d))  # fmt: skip
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
@@ -503,7 +523,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         if ring is None:
             acc_out, ml_out, q_smem, o_smem, ml_smem, xm_smem, q_bar = refs
         else:
-            qr_ref, kr_ref, vr_ref, mask_ref, acc_out, ml_out, q_smem, o_smem, ml_smem, \
+            qr_ref, kr_ref, vr_ref, len_ref, acc_out, ml_out, q_smem, o_smem, ml_smem, \
                 xm_smem, q_bar, qr_smem, pr_smem, qr_bar = refs  # fmt: skip
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
@@ -531,8 +551,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                 plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
                 plgpu.barrier_wait(qr_bar)
                 m, l_acc, *outs = ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi],
-                                            vr_ref.at[bi, hi], mask_ref.at[bi], range(nmt),
-                                            slots=ring[1].shape[2])  # fmt: skip
+                                            vr_ref.at[bi, hi], (nq_ref[bi], len_ref[bi]),
+                                            range(nmt), slots=ring[1].shape[2])  # fmt: skip
                 for mt, o in enumerate(outs):
                     o_smem[mt] = o
                 ml_smem[0] = m
@@ -611,7 +631,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             jax.ShapeDtypeStruct((b, h, sr, 2, NPAD), f32),
         ),
         scratch_types=[
-            plgpu.SMEM((32, nw), jnp.uint32),
+            plgpu.SMEM((g, d), f32),
             plgpu.SMEM((nmt, TILE, NPAD), f32),
             plgpu.SMEM((2, NPAD), f32),
             plgpu.SMEM((2, 4, NW), f32),
