@@ -156,8 +156,14 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
         merge = auto_merge(cfg, b, h, cache.quant_capacity, kcfg.rotate_values)
     rec, kn, nq, lengths = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
-    # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
-    q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
+    signs = hadamard.fwht_signs(kcfg, cache.head_dim) if kcfg.rotate_keys else None
+    if merge in ("mosaic", "fused_mosaic") and cfg.kernel == "warp" and signs is not None:
+        # the warp kernel's CTAs convert and rotate the query themselves: no launch before it
+        q_rot, qg = None, q.reshape(b, h, g, cache.head_dim)
+    else:
+        signs = None
+        # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
+        q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
     if merge in ("mosaic", "fused_mosaic"):
         # the merge launch writes the output as the library returns it (layout, dtype and
         # the poisoned rows): no XLA fusion after the kernels
@@ -166,7 +172,7 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
                                             param_dtype=pdt,
                                             ring_in_kernel=merge == "fused_mosaic",
                                             out_dtype=q.dtype, flags=cache.flags,
-                                            poison=FLAG_NONFINITE)  # fmt: skip
+                                            poison=FLAG_NONFINITE, signs=signs)  # fmt: skip
         return out.reshape(q.shape)
     unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
     call = int2_decode_attention_fused if merge == "fused" else int2_decode_attention

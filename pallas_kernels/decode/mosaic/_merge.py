@@ -266,7 +266,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
 def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                                   cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
                                   param_dtype=jnp.float16, ring_in_kernel=False,
-                                  out_dtype=None, flags=None, poison=0):  # fmt: skip
+                                  out_dtype=None, flags=None, poison=0, signs=None):  # fmt: skip
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
     in the original basis or the rotation folded into W_V / W_O), with the merge in a second
     Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel. The ring: walked by
@@ -274,14 +274,16 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     the partials kernel (its bytes stream in the big launch; the merge launch then only
     merges the splits). The merge launch writes the
     output [B, H, g, D] in ``out_dtype`` (None: q's) itself, NaN for the rows whose
-    ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``)."""
+    ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``).
+    ``signs`` (warp kernel): the partials kernel rotates the query itself, R q =
+    fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None)."""
     b, h, g, d = q.shape
     rdt = ring_dtype(k_res)
     ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
             lengths.astype(jnp.int32))  # fmt: skip
-    acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
-                            param_dtype=param_dtype,
-                            ring=ring if ring_in_kernel else None)  # fmt: skip
+    acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
+                            softmax_scale=softmax_scale, param_dtype=param_dtype,
+                            ring=ring if ring_in_kernel else None, signs=signs)  # fmt: skip
     merge_ring = (None,) * 5 if ring_in_kernel else (*ring[:3], nq, ring[3])
     step = merge_step_for(cfg.merge_step, acc.shape[2])
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)

@@ -124,11 +124,23 @@ def fold_inputs(qf, bits: int, pdt):
     return jnp.concatenate([qf, qf[..., np.array(fold_word_order(n))], kx], axis=-1)
 
 
+def sign_words(signs) -> tuple[int, ...]:
+    """signs [D] (+-1) -> D / 32 words, bit i % 32 of word i // 32 set where signs[i] < 0
+    (``prep_q``'s table; D a multiple of 32)."""
+    neg = np.asarray(signs) < 0
+    return tuple(
+        int(sum(1 << k for k in range(32) if neg[32 * w + k])) for w in range(len(neg) // 32)
+    )
+
+
 def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = "",
-              g: int = NW, qscale: float = 1.0):  # fmt: skip
-    """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
-    block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
-    into the CTA's partials in shared memory)."""
+              g: int = NW, qscale: float = 1.0, rotate: bool = False,
+              signs: tuple[int, ...] = ()):  # fmt: skip
+    """inline_mgpu bodies: ``prep_q`` (the query converted to f32 in shared memory, with
+    ``rotate`` its Walsh-Hadamard rotation, ``signs`` the ``sign_words``), ``load_q`` (the
+    query's B fragments into registers), ``step`` (one block of ``nsub`` records into the
+    carry) and ``finish`` (the 4 warps' carries merged into the CTA's partials in shared
+    memory)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, vector
     from jax.experimental.mosaic import gpu as mgpu
@@ -277,6 +289,69 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
         v2 = ns.ctypes()[2]
         as_v2 = lambda x: vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32()), x))  # noqa: E731
         return as_i32(arith.mulf(as_v2(a), as_v2(b)))
+
+    def prep_q(ctx, src_ref, q_ref):
+        """The query into q_ref [g, D] f32 from src_ref [g, D] (the kernel's input, any
+        float dtype): converted, and with ``rotate`` x -> fwht(s x) without its 1 / sqrt(D)
+        (which the caller folds into ``qscale``): the signs flip the float sign bits as the
+        elements are copied, then log2(D) butterfly stages in place, the g D / 2 pairs of a
+        stage over the 128 threads, a warpgroup barrier after each pass
+        (``oscar_jax.hadamard.fwht``'s order of sums)."""
+        del ctx
+        tid = ns.tids()[0]
+        vec1 = ir.VectorType.get((1,), f32())
+        half, npairs, n = d // 2, g * d // 2, g * d
+
+        def ld(ref, row, col):
+            et = ir.MemRefType(ref.type).element_type
+            v = vector.extract(vector.load(ir.VectorType.get((1,), et), ref,
+                                           [idx(row), idx(col)]), [], [0])  # fmt: skip
+            return v if et == f32() else arith.extf(f32(), v)
+
+        def st(v, row, col):
+            vector.store(vector.broadcast(vec1, v), q_ref, [idx(row), idx(col)])
+
+        def flip(v, col):  # v times signs[col]: the sign bit xor the table's bit
+            word = c32(signs[-1] - (1 << 32) * (signs[-1] >> 31))
+            for wi in range(len(signs) - 2, -1, -1):
+                x = c32(signs[wi] - (1 << 32) * (signs[wi] >> 31))
+                word = arith.select(arith.cmpi(arith.CmpIPredicate.eq, arith.shrui(col, c32(5)),
+                                               c32(wi)), x, word)  # fmt: skip
+            bit = arith.shli(arith.shrui(word, arith.andi(col, c32(31))), c32(31))
+            return arith.bitcast(f32(), arith.xori(arith.bitcast(i32(), v), bit))
+
+        def over(count, fn):  # fn(i) for i < count, i = tid + 128 k
+            for k in range(-(-count // 128)):
+                i = arith.addi(tid, c32(128 * k))
+                if 128 * (k + 1) <= count:
+                    fn(i)
+                else:
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c32(count))):
+                        fn(i)
+            mu.warpgroup_barrier()  # the pass's stores visible to the next
+
+        def copy(e):
+            row, col = arith.divui(e, c32(d)), arith.remui(e, c32(d))
+            v = ld(src_ref, row, col)
+            st(flip(v, col) if any(signs) else v, row, col)
+
+        over(n, copy)
+        h = 1
+        while rotate and h < d:
+            lg = h.bit_length() - 1
+
+            def pair(p, h=h, lg=lg):
+                row, jj = arith.divui(p, c32(half)), arith.remui(p, c32(half))
+                i0 = arith.ori(arith.shli(arith.shrui(jj, c32(lg)), c32(lg + 1)),
+                               arith.andi(jj, c32(h - 1)))  # fmt: skip
+                i1 = arith.addi(i0, c32(h))
+                a, c = ld(q_ref, row, i0), ld(q_ref, row, i1)
+                st(arith.addf(a, c), row, i0)
+                st(arith.subf(a, c), row, i1)
+
+            over(npairs, pair)
+            h *= 2
+        return None
 
     def load_q(ctx, q_ref):
         """This lane's B fragment words of the query (loop-invariant registers), built from
@@ -479,16 +554,19 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
                 mu.warpgroup_barrier()
         return None
 
-    return load_q, step, finish
+    return prep_q, load_q, step, finish
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
-                         param_dtype=jnp.float16, ring=None):  # fmt: skip
+                         param_dtype=jnp.float16, ring=None, signs=None):  # fmt: skip
     """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
     (acc [B, H, S (+ 1), D / 64, 64, 16] f32, ml [B, H, S (+ 1), 2, 16] f32); INT2 or INT4
     records, g <= 8. ``ring`` as ``_partials_raw``'s: one more split (the last) walks the
     full-precision ring with wgmma (``_ring.ring_walk``) while the others walk records, so
-    the ring's bytes stream in the same launch as the records'."""
+    the ring's bytes stream in the same launch as the records'. ``signs`` [D] (+-1; None:
+    q_rot comes rotated): q_rot is the query in the original basis and each CTA rotates it
+    itself, R q = fwht(signs q) (``oscar_jax.hadamard.fwht_signs``; D a power of two), so
+    no GEMM launch precedes the kernel."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -508,18 +586,32 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     nsub = bt // TILE
     bps, s = cfg.split_plan(b, h, lp)
     pdt = jnp.dtype(param_dtype)
-    # the kernel scales, rounds and pairs the query itself (``load_q``): no XLA launch before it
-    qf = q_rot.astype(jnp.float32)  # [B, H, g, D]
+    # the kernel scales, rounds and pairs the query itself (``load_q``), and converts (and
+    # rotates) a 16-bit one (``prep_q``): no XLA launch before it
+    qin = q_rot if q_rot.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else q_rot.astype(
+        jnp.float32)  # [B, H, g, D]  # fmt: skip
+    prep = signs is not None or qin.dtype != jnp.float32
     nw = query_words(d, cfg.fold)
     probe = cfg.stage.removeprefix("probe_") if cfg.stage.startswith("probe_") else ""
-    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe, g=g,
-                                     qscale=query_scale(softmax_scale, d))  # fmt: skip
+    qscale = query_scale(softmax_scale, d)
+    if signs is not None:
+        if len(signs) != d or d & (d - 1):
+            raise ValueError(f"the in-kernel rotation takes {d=} signs, d a power of two: "
+                             f"{len(signs)=}")  # fmt: skip
+        qscale /= float(np.sqrt(d))  # fwht's normalization
+    words_s = () if signs is None else sign_words(signs)
+    prep_q, load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe, g=g,
+                                             qscale=qscale, rotate=signs is not None,
+                                             signs=words_s)  # fmt: skip
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
     layq = ST((128 * nw,), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
+        qin_smem = None
+        if prep:
+            *refs, qin_smem = refs
         if ring is None:
             acc_out, ml_out, q_smem, o_smem, ml_smem, xm_smem, q_bar = refs
         else:
@@ -537,13 +629,13 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
 
         if ring is None:
             records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
-                    xm_smem, q_bar, store)  # fmt: skip
+                    xm_smem, q_bar, store, qin_smem)  # fmt: skip
             return
 
         @pl.when(si < s)
         def _():
             records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
-                    xm_smem, q_bar, store)  # fmt: skip
+                    xm_smem, q_bar, store, qin_smem)  # fmt: skip
 
         @pl.when(si == s)
         def _():
@@ -561,15 +653,18 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                 store()
 
     def records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem, xm_smem,
-                q_bar, store):  # fmt: skip
-        """Split si of the quantized part: its blocks of records -> the partials tile."""
+                q_bar, store, qin_smem):  # fmt: skip
+        """Split si of the quantized part: its blocks of records -> the partials tile.
+        qin_smem: the query as it comes, when ``prep_q`` converts (rotates) it into q_smem."""
         nqv = nq_ref[bi]
         start_blk = si * bps
         nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
         # the named scopes are the phases of Mosaic's trace when ``cfg.profile_dir`` is set
         with jax.named_scope("query"):
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], qin_smem if prep else q_smem, q_bar)
             plgpu.barrier_wait(q_bar)
+            if prep:
+                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(prep_q)(qin_smem, q_smem)
             qa = plgpu.inline_mgpu(
                 arg_types=(plgpu.RefType(),),
                 return_type=plgpu.ShapeDtypeStruct((128 * nw,), jnp.int32, layout=layq),
@@ -637,6 +732,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             plgpu.SMEM((2, 4, NW), f32),
             plgpu.Barrier(num_arrivals=1),
             *ring_scratch,
+            *([plgpu.SMEM((g, d), qin.dtype)] if prep else []),
         ],
         grid=(b, h, sr),
         grid_names=("b", "h", "s"),
@@ -645,7 +741,13 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         ),
     )
     rec3 = rec.reshape(b, h, nrec, words // 64, 64)
-    return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *(ring or ()))
+    return fn(qin, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *(ring or ()))
 
 
-__all__ = ["query_fragments", "value_param_word", "value_source", "warp_decode_partials"]
+__all__ = [
+    "query_fragments",
+    "sign_words",
+    "value_param_word",
+    "value_source",
+    "warp_decode_partials",
+]
