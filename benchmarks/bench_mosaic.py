@@ -33,10 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.mosaic.gpu import profiler
 
+import oscar_jax as oj
 from oscar_jax import hadamard, quant
 from pallas_kernels.decode import mosaic as K
 
 HQ, HKV, RING = 32, 8, 160
+ROTATION = oj.preset("oscar", bits=2)  # the method's Hadamard rotation of keys and query
 DH = int(os.environ.get("HEAD_DIM", 128))
 ITERS = int(os.environ.get("ITERS", 20))
 rows = []
@@ -255,8 +257,7 @@ def run_shape(b, L, variants, copies, flush=False):
 
         @jax.jit
         def full3_gemm(q, recs, kns):  # call3 with the query rotated by the GEMM in XLA
-            q_rot = jnp.einsum("bhgd,ed->bhge", q.astype(jnp.float32), jnp.asarray(
-                hadamard.hadamard_matrix(DH), jnp.float32), precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+            q_rot = hadamard.rotate(q.astype(jnp.float32), ROTATION, dense=True)
             return [K.int2_decode_attention_2launch(q, q_rot, r, n, nq, k_res, v_res, lengths,
                                                     cfg=cfg, ring_in_kernel=True)
                     for r, n in zip(recs, kns)]  # fmt: skip
