@@ -253,7 +253,7 @@ def run_shape(b, L, variants, copies, flush=False):
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         qb16 = q.astype(jnp.bfloat16)  # a model's query, original basis
-        signs = np.ones(DH)  # the Hadamard rotation (``hadamard.fwht_signs``)
+        signs = hadamard.fwht_signs(ROTATION, DH)  # all ones: the plain Hadamard
 
         @jax.jit
         def full3_gemm(q, recs, kns):  # call3 with the query rotated by the GEMM in XLA
