@@ -544,15 +544,45 @@ def _lowering_stack() -> str | None:
     return None
 
 
+TMA_ALIGN = 128  # bytes: the shared-memory alignment of a TMA copy's destination
+
+
+def _pipeline_slot_bytes(spec, dtype) -> int:
+    """Bytes of one slot of ``spec``'s block (squeezed dimensions left out)."""
+    dims = [n for n in spec.block_shape if isinstance(n, int)]
+    return int(np.prod(dims)) * jnp.dtype(dtype).itemsize
+
+
 @pytest.fixture
-def lowering_stack():
+def lowering_stack(monkeypatch):
     """Skip where jax 0.11.2 + the CUDA plugin are missing; CI's Mosaic step sets
-    OSCAR_REQUIRE_MOSAIC_LOWERING=1 so that a missing stack fails instead of skipping."""
+    OSCAR_REQUIRE_MOSAIC_LOWERING=1 so that a missing stack fails instead of skipping.
+
+    Every lowering test also checks the kernels' pipelines: ``emit_pipeline`` keeps the
+    slots of an input block back to back, so a slot that is not a multiple of 128 bytes
+    puts the next one, a TMA destination, off alignment: CUDA_ERROR_MISALIGNED_ADDRESS
+    compiled, while lowering and the interpreter pass (it happened: an 8-column merge)."""
     reason = _lowering_stack()
     if reason is not None:
         if os.environ.get("OSCAR_REQUIRE_MOSAIC_LOWERING") == "1":
             pytest.fail(f"the Mosaic lowering check must run here: {reason}")
         pytest.skip(reason)
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    real = plgpu.emit_pipeline
+
+    def aligned_pipeline(body, *, in_specs=(), **kw):
+        pipe = real(body, in_specs=in_specs, **kw)
+
+        def run(*refs):
+            for spec, ref in zip(in_specs, refs, strict=False):  # inputs, then outputs
+                n = _pipeline_slot_bytes(spec, ref.dtype)
+                assert n % TMA_ALIGN == 0, (spec.block_shape, ref.dtype, n)
+            return pipe(*refs)
+
+        return run
+
+    monkeypatch.setattr(plgpu, "emit_pipeline", aligned_pipeline)
 
 
 @pytest.mark.usefixtures("lowering_stack")
