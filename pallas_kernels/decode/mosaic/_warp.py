@@ -163,6 +163,9 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
     def f32():
         return ir.F32Type.get()
 
+    def c32u(x: int):  # an unsigned 32-bit pattern as the i32 constant of the same bits
+        return c32(x - (1 << 32) * (x >> 31))
+
     def cf(v):
         return arith.constant(f32(), ir.FloatAttr.get(f32(), v))
 
@@ -312,9 +315,9 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
             vector.store(vector.broadcast(vec1, v), q_ref, [idx(row), idx(col)])
 
         def flip(v, col):  # v times signs[col]: the sign bit xor the table's bit
-            word = c32(signs[-1] - (1 << 32) * (signs[-1] >> 31))
+            word = c32u(signs[-1])
             for wi in range(len(signs) - 2, -1, -1):
-                x = c32(signs[wi] - (1 << 32) * (signs[wi] >> 31))
+                x = c32u(signs[wi])
                 word = arith.select(arith.cmpi(arith.CmpIPredicate.eq, arith.shrui(col, c32(5)),
                                                c32(wi)), x, word)  # fmt: skip
             bit = arith.shli(arith.shrui(word, arith.andi(col, c32(31))), c32(31))
@@ -371,7 +374,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
                 qw.append(arith.select(live, pack(arith.mulf(lo, sc), arith.mulf(hi, sc)), zero))
         if fold != "none":
             qw += [qw[i] for i in fold_word_order(d // 8)]
-            qw += [c32(int(x) - (1 << 32) * (int(x) >> 31)) for x in fold_constants(bits, pdt)]
+            qw += [c32u(int(x)) for x in fold_constants(bits, pdt)]
         return strided(qw)
 
     def step(ctx, rec_ref, n_ref, q_a, lim_a, m_a, l_a, o_a):
