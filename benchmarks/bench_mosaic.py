@@ -6,8 +6,10 @@ a second Mosaic launch; "call3" the ring as the partials kernel's last split + a
 that merges the splits (``ring_in_kernel=True``); "call1" (warp kernel variants) the one-launch
 call, one split a (b, h) walking its records and the ring and storing the output
 (``int2_decode_attention_1launch``). These take the query rotated and in f32;
-"3gemm" is call3 as the backend calls it: a bfloat16 query in the original basis, rotated
-by a GEMM in XLA first (its kernels counted).
+"3gemm" is call3 as the backend calls it with a GEMM rotation: a bfloat16 query in the
+original basis, rotated by a GEMM in XLA first (its kernels counted); the warp kernel's rows
+add "3rot" and "1rot", call3 and call1 from that bfloat16 query rotated by the kernel itself
+(``signs``, the backend's choice for the Hadamard rotations).
 
 Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128 (``HEAD_DIM=64`` or ``256`` in
 the environment for the other head sizes). INT2: L - 128 quantized
@@ -196,8 +198,8 @@ def run_shape(b, L, variants, copies, flush=False):
     q = jax.random.normal(jax.random.fold_in(key, 7), (b, HKV, g, DH), jnp.float32)
     k_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
     v_res = jax.random.normal(key, (b, HKV, RING, DH), jnp.bfloat16)
-    ring_valid = jnp.broadcast_to(jnp.arange(RING)[None] < 128, (b, RING))
     nq = jnp.full((b,), nq_n, jnp.int32)
+    lengths = nq + 128  # 128 of the ring's slots hold tokens
     base = dict(
         shape=f"{b}x{L}",
         copies=copies,
@@ -239,35 +241,49 @@ def run_shape(b, L, variants, copies, flush=False):
 
         @jax.jit
         def full(q, recs, kns):
-            return [K.int2_decode_attention(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+            return [K.int2_decode_attention(q, q, r, n, nq, k_res, v_res, lengths, cfg=cfg)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
         def full2(q, recs, kns):
-            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, lengths, cfg=cfg)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
         def full3(q, recs, kns):
-            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg,
+            return [K.int2_decode_attention_2launch(q, q, r, n, nq, k_res, v_res, lengths, cfg=cfg,
                                                     ring_in_kernel=True)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
         def full1(q, recs, kns):
-            return [K.int2_decode_attention_1launch(q, q, r, n, nq, k_res, v_res, ring_valid, cfg=cfg)
+            return [K.int2_decode_attention_1launch(q, q, r, n, nq, k_res, v_res, lengths, cfg=cfg)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         qb16 = q.astype(jnp.bfloat16)  # a model's query, original basis
+        signs = hadamard.fwht_signs(ROTATION, DH)  # all ones: the plain Hadamard
 
         @jax.jit
-        def full3_gemm(q, recs, kns):  # call3 with the query rotated first, as the backend does
+        def full3_gemm(q, recs, kns):  # call3 with the query rotated by the GEMM in XLA
             q_rot = hadamard.rotate(q.astype(jnp.float32), ROTATION, dense=True)
-            return [K.int2_decode_attention_2launch(q, q_rot, r, n, nq, k_res, v_res, ring_valid,
+            return [K.int2_decode_attention_2launch(q, q_rot, r, n, nq, k_res, v_res, lengths,
                                                     cfg=cfg, ring_in_kernel=True)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
+        @jax.jit
+        def full3_rot(q, recs, kns):  # call3 with the warp kernel rotating the query
+            return [K.int2_decode_attention_2launch(q, None, r, n, nq, k_res, v_res, lengths,
+                                                    cfg=cfg, ring_in_kernel=True, signs=signs)
+                    for r, n in zip(recs, kns)]  # fmt: skip
+
+        @jax.jit
+        def full1_rot(q, recs, kns):  # call1 with the warp kernel rotating the query
+            return [K.int2_decode_attention_1launch(q, None, r, n, nq, k_res, v_res, lengths,
+                                                    cfg=cfg, signs=signs)
+                    for r, n in zip(recs, kns)]  # fmt: skip
+
         nan = float("nan")
+        rot = cfg.stage == "full" and cfg.kernel == "warp"
         try:
             t_part = med(part, q, rec_l, kn_l, flush=flush) / copies
             t_full = med(full, q, rec_l, kn_l, flush=flush) / copies
@@ -277,16 +293,10 @@ def run_shape(b, L, variants, copies, flush=False):
             t_full3 = (
                 med(full3, q, rec_l, kn_l, flush=flush) / copies if cfg.stage == "full" else nan
             )
-            t_gemm3 = (
-                med(full3_gemm, qb16, rec_l, kn_l, flush=flush) / copies
-                if cfg.stage == "full"
-                else nan
-            )
-            t_full1 = (
-                med(full1, q, rec_l, kn_l, flush=flush) / copies
-                if cfg.stage == "full" and cfg.kernel == "warp"
-                else nan
-            )
+            t_gemm3 = med(full3_gemm, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
+            t_rot3 = med(full3_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
+            t_full1 = med(full1, q, rec_l, kn_l, flush=flush) / copies if rot else nan
+            t_rot1 = med(full1_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
             det = med(full2, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)
             det3 = (
                 med(full3, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)
@@ -306,8 +316,10 @@ def run_shape(b, L, variants, copies, flush=False):
                    call2_frac_copy=int2_bytes / t_full2 / 1e3 / copy_rate, kernels_call2=det,
                    call3_us=t_full3, x_vs_fastest_bf16_call3=fastest / t_full3,
                    x_vs_cudnn_call3=t_cudnn / t_full3, kernels_call3=det3,
-                   call1_us=t_full1, x_vs_fastest_bf16_call1=fastest / t_full1,
-                   call3_gemm_us=t_gemm3, x_vs_fastest_bf16_call3_gemm=fastest / t_gemm3)  # fmt: skip
+                   call3_gemm_us=t_gemm3, call3_rot_us=t_rot3,
+                   x_vs_fastest_bf16_call3_rot=fastest / t_rot3, call1_us=t_full1,
+                   x_vs_fastest_bf16_call1=fastest / t_full1, call1_rot_us=t_rot1,
+                   x_vs_fastest_bf16_call1_rot=fastest / t_rot1)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         del recs, rec_l, kn_l
@@ -326,13 +338,13 @@ if __name__ == "__main__":
         run_shape(b, L, variants, 1 if flush else max(1, copies), flush=flush)
     print(f"bench done in {time.time() - t0:.0f}s")
     print(
-        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5} {'3gemm':>6} {'x3g':>5} {'call1':>6} {'x1':>5}"
+        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5} {'3gemm':>6} {'3rot':>6} {'x3rot':>5} {'call1':>6} {'1rot':>6} {'x1rot':>5}"
     )
     for r in rows:
         print(
             f"{r['shape']:>9} {r['variant'][:30]:>30} {r['kernel_us']:6.1f} {r['call_us']:6.1f} {r['call2_us']:6.1f} {r['call3_us']:6.1f} {r['kernel_GBps']:5.0f} "
             f"{100 * r['kernel_frac_copy']:5.1f}% {100 * r['call2_frac_copy']:5.1f}% {r['cudnn_us']:6.1f} {r['xla_us']:6.1f} {r['x_vs_fastest_bf16_call']:5.2f} {r['x_vs_fastest_bf16_call2']:5.2f} {r['x_vs_fastest_bf16_call3']:5.2f}"
-            f" {r['call3_gemm_us']:6.1f} {r['x_vs_fastest_bf16_call3_gemm']:5.2f} {r['call1_us']:6.1f} {r['x_vs_fastest_bf16_call1']:5.2f}"
+            f" {r['call3_gemm_us']:6.1f} {r['call3_rot_us']:6.1f} {r['x_vs_fastest_bf16_call3_rot']:5.2f} {r['call1_us']:6.1f} {r['call1_rot_us']:6.1f} {r['x_vs_fastest_bf16_call1_rot']:5.2f}"
         )
     if os.environ.get("OUT"):
         tag = os.environ.get("TAG", "bench")

@@ -123,6 +123,20 @@ def kronecker_factor(cfg: KVQuantConfig, d: int, w: int) -> np.ndarray | None:
 DENSE_DEFAULT = False
 
 
+def fwht_signs(cfg: KVQuantConfig, d: int) -> np.ndarray | None:
+    """The signs s [d] (+-1.0) with R x = fwht(s * x) over a whole head of ``d`` channels
+    (all ones for ``hadamard``), or None where the config's R is not one Walsh-Hadamard
+    transform of the head (no rotation, random orthogonal, or a block-diagonal Hadamard
+    of a ``d`` that is not a power of two): kernels that rotate the query themselves."""
+    if hadamard_block_size(d) != d:
+        return None
+    if cfg.rotation == "hadamard":
+        return np.ones(d)
+    if cfg.rotation == "randomized_hadamard":
+        return _random_signs(d, cfg.rotation_seed).copy()
+    return None
+
+
 def _apply(x: Array, cfg: KVQuantConfig, inverse: bool, dense: bool | None) -> Array:
     """R x (or R^T x when inverse) over the last axis, in f32, returned in x's dtype."""
     d = x.shape[-1]

@@ -408,6 +408,58 @@ def test_warp_kernel_query_fragments_are_b_operands():
                 np.testing.assert_array_equal(got[:, :, lane, 2 * kk + half], want)
 
 
+@pytest.mark.parametrize("rotation,d,g", [("hadamard", 128, 4), ("randomized_hadamard", 128, 7),
+                                           ("randomized_hadamard", 64, 3)])  # fmt: skip
+def test_warp_kernel_query_rotation_is_the_caches(rotation, d, g):
+    """``prep_q``'s passes emulated thread by thread (128 threads; the sign bit of element
+    c flipped by bit c % 32 of ``sign_words``' word c // 32, then pair p = t + 128 k of the
+    stage of stride h at row p // (D/2), i0 = ((j >> log h) << (log h + 1)) | (j & (h - 1)),
+    j = p % (D/2), i1 = i0 + h), times the 1 / sqrt(D) the kernel folds into its query
+    scale, are the cache's rotation of the query (``hadamard.rotate``, float32)."""
+    from oscar_jax import hadamard
+
+    cfg = oj.preset("oscar", bits=2, rotation=rotation, rotation_seed=5)
+    signs = hadamard.fwht_signs(cfg, d)
+    words = mk_warp.sign_words(signs)
+    x = np.asarray(jax.random.normal(jax.random.key(1), (g, d)), np.float32)
+    q = x.copy()
+    for e in range(g * d):  # the copy pass
+        row, col = divmod(e, d)
+        bit = (words[col >> 5] >> (col & 31)) & 1
+        q[row, col] = (q.view(np.uint32)[row, col] ^ np.uint32(bit << 31)).view(np.float32)
+    h = 1
+    while h < d:
+        lg = h.bit_length() - 1
+        new = q.copy()
+        for p in range(g * d // 2):
+            row, jj = divmod(p, d // 2)
+            i0 = ((jj >> lg) << (lg + 1)) | (jj & (h - 1))
+            i1 = i0 + h
+            new[row, i0], new[row, i1] = q[row, i0] + q[row, i1], q[row, i0] - q[row, i1]
+        q, h = new, 2 * h
+    want = np.asarray(hadamard.rotate(jnp.asarray(x), cfg, dense=False))
+    np.testing.assert_allclose(q / np.sqrt(d), want, rtol=1e-5, atol=1e-5)
+
+
+def test_fwht_signs_name_the_rotations_a_kernel_can_apply():
+    """R = H diag(signs) for the Hadamard kinds; None where R is not one Walsh-Hadamard
+    transform of the head (random orthogonal, no rotation, a head_dim not a power of two)."""
+    from oscar_jax import hadamard
+
+    for rotation in ("hadamard", "randomized_hadamard"):
+        cfg = oj.preset("oscar", bits=2, rotation=rotation, rotation_seed=3)
+        s = hadamard.fwht_signs(cfg, 64)
+        np.testing.assert_allclose(hadamard.hadamard_matrix(64) * s[None, :],
+                                   hadamard.rotation_matrix(cfg, 64))  # fmt: skip
+    assert hadamard.fwht_signs(oj.preset("oscar", bits=2, rotation="random_orthogonal"), 64) is None
+    assert hadamard.fwht_signs(oj.preset("oscar", bits=2, rotation="hadamard"), 96) is None
+    assert hadamard.fwht_signs(oj.preset("kivi", bits=2), 64) is None  # rotation "none"
+    with pytest.raises(ValueError, match="the in-kernel query rotation is the warp kernel's"):
+        mk_merge._partials_raw(jnp.ones((1, 1, 4, 128)), jnp.zeros((1, 1, 1, 1600), jnp.uint32),
+                               jnp.ones((1, 1, 64)), jnp.ones((1,), jnp.int32),
+                               signs=np.ones(128))  # fmt: skip
+
+
 def test_unsupported_caches_are_named():
     planar = _cache(1, 1, [300])
     assert mk.unsupported_reason(planar, convert=True) is None
@@ -561,7 +613,7 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, final):
     g, poison = 5, 4
     flags = jnp.array([poison | 1, 2], jnp.int32)  # row 0 poisoned, row 1 another flag only
     fin = None if final is None else (g, jnp.dtype(final), flags, poison)
-    fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, step=step,
+    fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, None, step=step,
                                                  final=fin))  # fmt: skip
     fn.trace(acc, ml).lower(lowering_platforms=("cuda",))
     with plgpu.force_gpu_interpret_mode():
@@ -598,7 +650,7 @@ def test_kernels_lower_for_sm90(block, g, stage, bits, d):
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
     if stage == "full":
         ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
-                s((b, 160), jnp.bool_))  # fmt: skip
+                s((b,), jnp.int32))  # lengths  # fmt: skip
         calls = (
             mk.int2_decode_attention_2launch,
             mk.int2_decode_attention_fused,
@@ -664,7 +716,7 @@ def test_warp_kernel_lowers_for_sm90(block, g, d, pdt, bits, fold):
     f.trace(q, rec, kn, nq).lower(lowering_platforms=("cuda",))
     if fold == "none":  # the ring as the last split (wgmma in a CTA of the warp kernel)
         ring = (s((b, h, 160, d), jnp.bfloat16), s((b, h, 160, d), jnp.bfloat16),
-                s((b, 160), jnp.bool_))  # fmt: skip
+                s((b,), jnp.int32))  # lengths  # fmt: skip
         fn = jax.jit(lambda *a: mk.int2_decode_attention_2launch(
             *a, cfg=cfg, param_dtype=pdt, ring_in_kernel=True))  # fmt: skip
         fn.trace(q, q, rec, kn, nq, *ring).lower(lowering_platforms=("cuda",))
@@ -707,6 +759,8 @@ def test_backend_on_long_rows_lowers_the_default_kernel(merge, launches):
     names = ("oscar_decode_int2_warp_partials", "oscar_decode_int2_partials",
              "oscar_decode_int2_ring_merge", "oscar_decode_split_merge")  # fmt: skip
     assert [n for n in names if n in text] == launches
+    # the Mosaic merges leave the query's rotation to the warp kernel: no GEMM before it
+    assert ("dot_general" in text) == (merge not in ("mosaic", "fused_mosaic"))
 
 
 def test_auto_merge_puts_the_ring_where_it_costs_no_round():
@@ -1015,6 +1069,31 @@ class TestMosaicGPU:
                 "float16",
                 dict(kernel="warp", block_tokens=128, rotate_values=False, merge=SG),
             ),  # fmt: skip
+            # the warp kernel rotating the query itself (signed Hadamard), or not (GEMM)
+            (
+                [3000, 0, 150],
+                4,
+                "float16",
+                dict(kernel="warp", rotate_values=False, rotation="randomized_hadamard", merge=FM),
+            ),
+            (
+                [990, 481],
+                3,
+                "bfloat16",
+                dict(
+                    kernel="warp",
+                    d=64,
+                    rotate_values=False,
+                    rotation="randomized_hadamard",
+                    merge="mosaic",
+                ),  # fmt: skip
+            ),
+            (
+                [2000, 1999],
+                7,
+                "bfloat16",
+                dict(kernel="warp", rotate_values=False, rotation="random_orthogonal", merge=FM),
+            ),
         ],
     )
     def test_fused_ring_split_matches_xla(self, lengths, g, param_dtype, kw):

@@ -21,10 +21,12 @@ import where the kernel cannot run). Entry points (the record layout itself:
   * ``fragment_layout(k_codes, k_scale, k_zero, k_norm, v_codes, v_scale, v_zero, *,
     param_dtype, block_tokens) -> (rec, kn)``: planar cache arrays -> this kernel's layout
     (exact); ``fragment_layout_inverse(rec, kn, lq, *, param_dtype)`` its inverse.
-  * ``int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+  * ``int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
     cfg, softmax_scale, param_dtype, out_dtype, flags, poison) -> [B, H, g, D]``: the
     decode call in two Mosaic GPU launches (split-K partials; ring + LSE merge, which writes
-    the output in its final layout and dtype, flagged rows NaN) after the query prep in XLA.
+    the output in its final layout and dtype, flagged rows NaN); XLA is left the query's
+    rotation (a GEMM), nq and the ring query's transpose (the warp kernel pairs the rotated
+    query itself, the ring walks find their valid slots from nq and lengths).
     Values must be in the original basis (no run-time un-rotation).
   * ``int2_decode_attention_1launch(...same..., out_dtype, flags, poison)``: the whole
     call in one launch of the warp kernel (one split a (b, h); its CTA walks the ring after

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 
 from oscar_jax import attention as att
 from oscar_jax import hadamard
-from oscar_jax.cache import FLAG_NONFINITE, _residual_tokens
+from oscar_jax.cache import FLAG_NONFINITE
 from oscar_jax.record import TILE, fragment_layout, record_words
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
@@ -130,7 +130,8 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
 
 def kernel_inputs(cache, *, block_tokens: int = 256):
     """What the kernel reads of ``cache``: (rec, kn) in the record layout, nq [B] int32
-    quantized tokens per row, ring_valid [B, S] bool (the ring slots holding tokens).
+    quantized tokens per row, lengths [B] int32 tokens per row (the kernels find the ring's
+    valid slots from nq and lengths).
 
     A layout='record' cache is read as it is (``cache.rec``, ``cache.kn``; block_tokens must
     divide its capacity); a planar one is converted (``fragment_layout``, exact, but it
@@ -148,8 +149,7 @@ def kernel_inputs(cache, *, block_tokens: int = 256):
                                   cache.v_codes, cache.v_scale, cache.v_zero, param_dtype=pdt,
                                   block_tokens=block_tokens)  # fmt: skip
     nq = cache.num_quantized().astype(jnp.int32)
-    _, ring_valid = _residual_tokens(nq, cache.lengths, cache.slots)
-    return rec, kn, nq, ring_valid
+    return rec, kn, nq, cache.lengths.astype(jnp.int32)
 
 
 def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConfig = None,
@@ -189,31 +189,38 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
             cfg = dataclasses.replace(cfg, kernel="warp")
     if merge == "auto":
         merge = auto_merge(cfg, b, h, cache.quant_capacity, kcfg.rotate_values)
-    rec, kn, nq, ring_valid = kernel_inputs(cache, block_tokens=cfg.block_tokens)
+    rec, kn, nq, lengths = kernel_inputs(cache, block_tokens=cfg.block_tokens)
     qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
-    # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
-    q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
+    signs = hadamard.fwht_signs(kcfg, cache.head_dim) if kcfg.rotate_keys else None
+    if merge in ("mosaic", "fused_mosaic", "single") and cfg.kernel == "warp" and signs is not None:
+        # the warp kernel's CTAs convert and rotate the query themselves: no launch before it
+        q_rot, qg = None, q.reshape(b, h, g, cache.head_dim)
+    else:
+        signs = None
+        # dense: one [D, D] GEMM (XLA fuses the butterflies of a few rows into a slow loop)
+        q_rot = hadamard.rotate(qg, kcfg, dense=True) if kcfg.rotate_keys else qg
     if merge == "single":
         if cfg.kernel != "warp":
             raise ValueError(f"{merge=} runs the warp kernel: {cfg.kernel=}")
         out = int2_decode_attention_1launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
-                                            ring_valid, cfg=cfg, softmax_scale=softmax_scale,
+                                            lengths, cfg=cfg, softmax_scale=softmax_scale,
                                             param_dtype=pdt, out_dtype=q.dtype,
-                                            flags=cache.flags, poison=FLAG_NONFINITE)  # fmt: skip
+                                            flags=cache.flags, poison=FLAG_NONFINITE,
+                                            signs=signs)  # fmt: skip
         return out.reshape(q.shape)
     if merge in ("mosaic", "fused_mosaic"):
         # the merge launch writes the output as the library returns it (layout, dtype and
         # the poisoned rows): no XLA fusion after the kernels
         out = int2_decode_attention_2launch(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res,
-                                            ring_valid, cfg=cfg, softmax_scale=softmax_scale,
+                                            lengths, cfg=cfg, softmax_scale=softmax_scale,
                                             param_dtype=pdt,
                                             ring_in_kernel=merge == "fused_mosaic",
                                             out_dtype=q.dtype, flags=cache.flags,
-                                            poison=FLAG_NONFINITE)  # fmt: skip
+                                            poison=FLAG_NONFINITE, signs=signs)  # fmt: skip
         return out.reshape(q.shape)
     unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
     call = int2_decode_attention_fused if merge == "fused" else int2_decode_attention
-    out = call(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res, ring_valid, cfg=cfg,
+    out = call(qg, q_rot, rec, kn, nq, cache.k_res, cache.v_res, lengths, cfg=cfg,
                softmax_scale=softmax_scale, param_dtype=pdt, unrotate=unrot)  # fmt: skip
     return att.poison_flagged_rows(out.reshape(q.shape).astype(q.dtype), cache)
 

@@ -13,12 +13,18 @@ NPAD = 16  # GQA query heads padded to the wgmma N (16-bit B operands need N >= 
 LOG2E = 1.4426950408889634
 
 
-def scaled_query(q_rot, softmax_scale, heads: int):
-    """q_rot [B, H, g, D] -> float32 times the softmax scale and log2(e) (the kernels' base-2
-    softmax), the query heads zero-padded to ``heads``."""
-    d, g = q_rot.shape[-1], q_rot.shape[-2]
+def query_scale(softmax_scale, d: int) -> float:
+    """What the query is multiplied by: the softmax scale (None: 1 / sqrt(d)) times log2(e),
+    the kernels' softmax being base 2."""
     scale = float(1.0 / np.sqrt(d)) if softmax_scale is None else float(softmax_scale)
-    qt = q_rot.astype(jnp.float32) * (scale * LOG2E)
+    return scale * LOG2E
+
+
+def scaled_query(q_rot, softmax_scale, heads: int):
+    """q_rot [B, H, g, D] -> float32 times ``query_scale``, the query heads zero-padded to
+    ``heads``."""
+    d, g = q_rot.shape[-1], q_rot.shape[-2]
+    qt = q_rot.astype(jnp.float32) * query_scale(softmax_scale, d)
     return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 

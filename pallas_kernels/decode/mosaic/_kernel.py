@@ -24,7 +24,7 @@ def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2Deco
 
 
 def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
-                  softmax_scale=None, param_dtype=jnp.float16, ring=None):  # fmt: skip
+                  softmax_scale=None, param_dtype=jnp.float16, ring=None, signs=None):  # fmt: skip
     """Split-K partials of the quantized part (and, with ``ring``, of the ring as one more
     split).
 
@@ -33,8 +33,10 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     at D = 128), kn [B, H, Lp] f32 (``fragment_layout``); nq [B] int32 quantized tokens per
     row (0 <= nq <= Lp).
     ring: None, or (qr [B, H, D, 16] the query for the ring as ``_ring.ring_query`` makes
-    it, k_res, v_res [B, H, R, D] in qr's 16-bit dtype, mask [B, Rp] f32 as
-    ``_ring.ring_mask``): split S (the last) walks the ring instead of records.
+    it, k_res, v_res [B, H, R, D] in qr's 16-bit dtype, lengths [B] int32 tokens a row, the
+    ring holding tokens nq .. length - 1): split S (the last) walks the ring instead of
+    records. signs: the warp kernel's in-kernel rotation (``_warp.warp_decode_partials``;
+    q_rot then in the original basis).
     Returns acc [B, H, S (+ 1), D / 64, 64, 16] f32 (unnormalised O^T by channel blocks), ml
     [B, H, S (+ 1), 2, 16] f32 (running max of the scores in log2 units, -inf-like -1e30 for
     an empty split; the row sums).
@@ -46,7 +48,9 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         if cfg.stage not in ("full", *WARP_PROBES):
             raise ValueError(f"the warp kernel has no stage {cfg.stage!r}")
         return warp_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
-                                    param_dtype=param_dtype, ring=ring)  # fmt: skip
+                                    param_dtype=param_dtype, ring=ring, signs=signs)  # fmt: skip
+    if signs is not None:
+        raise ValueError(f"the in-kernel query rotation is the warp kernel's: {cfg.kernel=}")
     b, h, g, d = q_rot.shape
     _, _, nrec, words = rec.shape
     bits, d_rec = record_format(words)
@@ -73,7 +77,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         if ring is None:
             acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem, q_bar = refs
         else:
-            qr_ref, kr_ref, vr_ref, mask_ref, acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem, \
+            qr_ref, kr_ref, vr_ref, len_ref, acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem, \
                 q_bar, qr_smem, pr_smem, qr_bar = refs  # fmt: skip
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
@@ -240,7 +244,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
                 pr_smem,
                 kr_ref.at[bi, hi],
                 vr_ref.at[bi, hi],
-                mask_ref.at[bi],
+                (nq_ref[bi], len_ref[bi]),
                 range(nmt),
                 slots=ring[1].shape[2],
             )

@@ -8,11 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax.cache import _residual_tokens
 from oscar_jax.record import TILE
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
 from pallas_kernels.decode.mosaic._output import store_output
-from pallas_kernels.decode.mosaic._ring import ring_dtype, ring_mask, ring_query, ring_walk
+from pallas_kernels.decode.mosaic._ring import ring_dtype, ring_query, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
 
@@ -58,18 +59,20 @@ def merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, *, g, soft
     return normalized(qacc + ring_acc, jnp.sum(pr, -1) + lq, out_dtype or q.dtype)
 
 
-def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+def int2_decode_attention(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                           cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
                           param_dtype=jnp.float16, unrotate=None):  # fmt: skip
     """Decode attention over an INT2 cache in the fragment layout: one Mosaic GPU launch
     for the quantized tokens, then XLA for the ring and the merge.
 
     q [B, H, g, D] original basis, q_rot the rotated query (same shape); rec, kn, nq as
-    ``int2_decode_partials``; k_res, v_res [B, H, R, D]; ring_valid [B, R].
-    Returns [B, H, g, D] in q's dtype.
+    ``int2_decode_partials``; k_res, v_res [B, H, R, D]; lengths [B] int32 tokens a row
+    (the ring holds tokens nq .. length - 1, token t in slot t mod R, as
+    ``oscar_jax.cache``'s). Returns [B, H, g, D] in q's dtype.
     """
     acc, m2, l = int2_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                                       param_dtype=param_dtype)  # fmt: skip
+    _, ring_valid = _residual_tokens(nq, lengths, k_res.shape[2])
     return merge_partials_with_ring(acc, m2, l, q, k_res, v_res, ring_valid, g=q.shape[2],
                                     softmax_scale=softmax_scale, unrotate=unrotate)  # fmt: skip
 
@@ -91,7 +94,7 @@ def merge_splits_with_ring_split(acc, ml, *, g, unrotate=None, out_dtype):
     return normalized(qacc + racc, lq + lr, out_dtype)
 
 
-def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                                 cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
                                 param_dtype=jnp.float16, unrotate=None):  # fmt: skip
     """As ``int2_decode_attention``, with the ring walked inside the partials kernel as one
@@ -99,7 +102,7 @@ def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid,
     XLA is the query prep and one LSE merge of the splits: fewer launches at small batch."""
     rdt = ring_dtype(k_res)
     ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
-            ring_mask(ring_valid))  # fmt: skip
+            lengths.astype(jnp.int32))  # fmt: skip
     acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                             param_dtype=param_dtype, ring=ring)  # fmt: skip
     return merge_splits_with_ring_split(acc, ml, g=q.shape[2], unrotate=unrotate,
@@ -115,7 +118,7 @@ def merge_step_for(merge_step: int, splits: int) -> int:
     return -(-splits // steps)
 
 
-def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers=True,
+def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barriers=True,
                     step=1, final=None):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
@@ -123,7 +126,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
     partials kernel: O^T channel blocks; running max in log2 units and row sums);
     q_ring_t [B, H, D, NPAD] in the ring's dtype (query^T, original basis, scaled by
     softmax_scale * log2(e), heads past g zero); k_res, v_res [B, H, R, D] bfloat16 or
-    float16; ring_mask [B, Rp] f32 (1 valid slot, 0 not), Rp = R rounded up to 64. All four
+    float16; nq, lengths [B] int32: the quantized tokens and tokens of each row (the ring
+    holds tokens nq .. length - 1, token t in slot t mod R; ``_ring.ring_walk``). All five
     None: no ring (the partials kernel walked it as its last split): the splits' merge only.
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
     with ``final=(g, dtype, flags, poison)`` the output in the library's layout instead, [B, H, g,
@@ -156,7 +160,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
         if final is not None:
             *refs, t_smem = refs
         if has_ring:
-            q_ref, k_ref, v_ref, mask_ref, out_ref, o_smem, q_smem, p_smem, q_bar = refs
+            q_ref, k_ref, v_ref, nq_ref, len_ref, out_ref, o_smem, q_smem, p_smem, q_bar = refs
         else:
             out_ref, o_smem = refs
         bi = jax.lax.axis_index("b")
@@ -166,7 +170,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
             plgpu.barrier_wait(q_bar)
             m, l_acc, o = ring_walk(q_smem, p_smem, k_ref.at[bi, hi], v_ref.at[bi, hi],
-                                    mask_ref.at[bi], (ci,), slots=k_res.shape[2])  # fmt: skip
+                                    (nq_ref[bi], len_ref[bi]), (ci,),
+                                    slots=k_res.shape[2])  # fmt: skip
             lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
             # The splits' pipeline's first TMA copies (async proxy) land in scoped shared
             # memory that the ring's pipeline and this cross-warp sum's scratch just used
@@ -246,15 +251,16 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, ring_mask, *, auto_barriers
             approx_math=True, unsafe_no_auto_barriers=not auto_barriers
         ),
     )
-    ring = (q_ring_t, k_res, v_res, ring_mask) if has_ring else ()
+    ring = ((q_ring_t, k_res, v_res, nq.astype(jnp.int32), lengths.astype(jnp.int32))
+            if has_ring else ())  # fmt: skip
     fl = (flags.astype(jnp.int32),) if has_flags else ()
     return fn(acc.reshape(b, h, s, d, NPAD), ml.reshape(b, h, s * 2, NPAD), *fl, *ring)
 
 
-def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                                   cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
                                   param_dtype=jnp.float16, ring_in_kernel=False,
-                                  out_dtype=None, flags=None, poison=0):  # fmt: skip
+                                  out_dtype=None, flags=None, poison=0, signs=None):  # fmt: skip
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
     in the original basis or the rotation folded into W_V / W_O), with the merge in a second
     Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel. The ring: walked by
@@ -262,37 +268,41 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_vali
     the partials kernel (its bytes stream in the big launch; the merge launch then only
     merges the splits). The merge launch writes the
     output [B, H, g, D] in ``out_dtype`` (None: q's) itself, NaN for the rows whose
-    ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``)."""
+    ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``).
+    ``signs`` (warp kernel): the partials kernel rotates the query itself, R q =
+    fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None)."""
     b, h, g, d = q.shape
     rdt = ring_dtype(k_res)
     ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
-            ring_mask(ring_valid))  # fmt: skip
-    acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
-                            param_dtype=param_dtype,
-                            ring=ring if ring_in_kernel else None)  # fmt: skip
-    merge_ring = (None,) * 4 if ring_in_kernel else ring
+            lengths.astype(jnp.int32))  # fmt: skip
+    acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
+                            softmax_scale=softmax_scale, param_dtype=param_dtype,
+                            ring=ring if ring_in_kernel else None, signs=signs)  # fmt: skip
+    merge_ring = (None,) * 5 if ring_in_kernel else (*ring[:3], nq, ring[3])
     step = merge_step_for(cfg.merge_step, acc.shape[2])
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
                            final=final)  # fmt: skip
 
 
-def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, ring_valid, *,
+def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                                   cfg: Int2DecodeConfig, softmax_scale=None,
                                   param_dtype=jnp.float16, out_dtype=None, flags=None,
-                                  poison=0):  # fmt: skip
+                                  poison=0, signs=None):  # fmt: skip
     """As ``int2_decode_attention_2launch`` in one Mosaic launch: the warp kernel
     (``cfg.kernel == "warp"``) with one split a (b, h), each CTA walking its records, then
     the ring, and storing the merged output ([B, H, g, D] in ``out_dtype``, None: q's; NaN
     for the rows whose ``flags`` have ``poison`` bits). For batches whose B x H CTAs fill
-    the GPU by themselves: no partials round trip, no merge launch."""
+    the GPU by themselves: no partials round trip, no merge launch. ``signs``: as
+    ``int2_decode_attention_2launch``'s (the kernel rotates the query; q_rot not read)."""
     if cfg.kernel != "warp":
         raise ValueError(f"the one-launch call runs the warp kernel: {cfg.kernel=}")
     g = q.shape[2]
     rdt = ring_dtype(k_res)
     ring = (ring_query(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
-            ring_mask(ring_valid))  # fmt: skip
+            lengths.astype(jnp.int32))  # fmt: skip
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
-    return warp_decode_partials(q_rot, rec, kn, nq, cfg=dataclasses.replace(cfg, splits=1),
+    return warp_decode_partials(q if signs is not None else q_rot, rec, kn, nq,
+                                cfg=dataclasses.replace(cfg, splits=1),
                                 softmax_scale=softmax_scale, param_dtype=param_dtype, ring=ring,
-                                final=final)  # fmt: skip
+                                final=final, signs=signs)  # fmt: skip

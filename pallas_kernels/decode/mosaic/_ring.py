@@ -22,23 +22,19 @@ def ring_query(q, softmax_scale, dtype):
     return jnp.swapaxes(scaled_query(q, softmax_scale, NPAD), -1, -2).astype(dtype)
 
 
-def ring_mask(ring_valid):
-    """ring_valid [B, R] bool -> [B, Rp] float32 (1 valid slot, 0 not; Rp = R rounded up to
-    a tile)."""
-    r = ring_valid.shape[1]
-    return jnp.pad(ring_valid.astype(jnp.float32), ((0, 0), (0, -(-r // TILE) * TILE - r)))
-
-
 def ring_dtype(k_res):
     """The 16-bit dtype the kernels read the ring in (a float32 ring is cast to bfloat16)."""
     return k_res.dtype if k_res.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
 
 
-def ring_walk(q_smem, p_smem, k_ref, v_ref, mask_ref, blocks, *, slots: int):
+def ring_walk(q_smem, p_smem, k_ref, v_ref, rows, blocks, *, slots: int):
     """Online softmax of the ring against the query in ``q_smem`` [D, NPAD].
 
-    k_ref, v_ref [R, D] (16-bit, gmem), mask_ref [Rp] f32; ``blocks``: the channel blocks of
-    64 to accumulate (ints or a traced index). p_smem [64, NPAD] scratch in the ring's dtype.
+    k_ref, v_ref [R, D] (16-bit, gmem); rows = (nq, length), the row's quantized tokens and
+    tokens (int32 scalars): slot s holds token nq + (s - nq) mod R (``oscar_jax.cache``'s
+    ring), valid while that is < length; the kernel computes it, so no mask is read.
+    ``blocks``: the channel blocks of 64 to accumulate (ints or a traced index). p_smem [64,
+    NPAD] scratch in the ring's dtype.
     Returns (m [NPAD] running max, l [64, NPAD] per-element row sums, one O^T [64, NPAD]
     accumulator per block), f32 in the WGMMA layouts. K and V^T tiles are wgmma A operands
     from shared memory, so the ring costs no unpack."""
@@ -52,17 +48,24 @@ def ring_walk(q_smem, p_smem, k_ref, v_ref, mask_ref, blocks, *, slots: int):
     rt = -(-slots // TILE)
     nb = len(blocks)
 
+    nq, length = rows
+    start = jax.lax.rem(nq, jnp.int32(slots))  # the slot of token nq
+    count = jnp.clip(length - nq, 0, slots)  # tokens in the ring
+
     def body(idxs, k_smem, *refs):
-        *v_smems, m_smem, carry = refs
+        *v_smems, carry = refs
         m_prev, l_acc, *outs = carry
+        (i,) = idxs
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, k_smem, q_smem)
             return acc_ref[...]
 
         sc = pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32))
-        msk = plgpu.load(m_smem, layout=WG.reduce(1))  # [64]
-        ok = jax.lax.broadcast_in_dim(msk, (TILE, NPAD), [0]) > 0.5
+        slot = plgpu.broadcasted_iota(jnp.int32, (TILE, NPAD), 0, layout=WG) + i * TILE
+        age = slot - start  # (slot - nq) mod R, for slot < R
+        age = jnp.where(age < 0, age + slots, age)
+        ok = (age < count) & (slot < slots)
         sc = jnp.where(ok, sc, NEG)
         m_new = jnp.maximum(m_prev, jnp.max(sc, axis=0))
         corr = jax.lax.broadcast_in_dim(jnp.exp2(m_prev - m_new), (TILE, NPAD), [1])
@@ -92,9 +95,8 @@ def ring_walk(q_smem, p_smem, k_ref, v_ref, mask_ref, blocks, *, slots: int):
         in_specs=[
             plgpu.BlockSpec((TILE, d), lambda i: (i, 0), transforms=a_tr),
             *v_specs,
-            plgpu.BlockSpec((TILE,), lambda i: (i,)),
         ],  # fmt: skip
         max_concurrent_steps=min(2, rt),
         init_carry=init,
     )
-    return pipe(k_ref, *([v_ref] * nb), mask_ref)
+    return pipe(k_ref, *([v_ref] * nb))

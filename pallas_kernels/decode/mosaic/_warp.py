@@ -18,7 +18,8 @@ warp loads d / 64 words a lane an owner warp, the lanes contiguous; at INT2 the 
 shifted by 8 (w % 2) bits; then the usual in-place unpack. The carry is
 per thread (m, l of its two heads, O^T's D / 4 f32); the 4 warps' partials are merged once
 at the end through shared memory. GQA g <= 8 (N = 8), INT2 and INT4 records; the query
-comes pre-permuted into B-fragment words (``query_fragments``).
+comes as it is ([g, D] f32); each lane builds its B-fragment words (``load_q``; reference:
+``query_fragments``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from oscar_jax.record import (
     record_format,
     value_code_word,
 )
-from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, scaled_query
+from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, query_scale
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
 from pallas_kernels.decode.mosaic._output import store_output
 from pallas_kernels.decode.mosaic._ring import ring_walk
@@ -63,9 +64,9 @@ def value_param_word(d: int, w: int, lane: int, grp: int, sz: int, kh: int) -> i
 
 
 def query_fragments(qt):
-    """qt [B, H, 8, D] 16-bit (heads padded to 8) -> [B, H, 32, D / 8] uint32: lane l's B
-    fragment words of k-step kk (Q^T[16 kk + 2 j + 8 half + (0, 1), l // 4], j = l % 4) at
-    2 kk + half."""
+    """The reference of the query registers ``load_q`` builds in the kernel: qt [B, H, 8, D]
+    16-bit (heads padded to 8) -> [B, H, 32, D / 8] uint32: lane l's B fragment words of
+    k-step kk (Q^T[16 kk + 2 j + 8 half + (0, 1), l // 4], j = l % 4) at 2 kk + half."""
     b, h, n, d = qt.shape
     x = qt.reshape(b, h, n, d // 16, 2, 4, 2)  # [.., head, kk, half, j, e]
     x = jnp.transpose(x, (0, 1, 2, 5, 3, 4, 6))  # [.., head, j, kk, half, e]
@@ -108,20 +109,39 @@ def query_words(d: int, fold: str) -> int:
     return d // 8 + (d // 8 + NX if fold != "none" else 0)
 
 
+def fold_word_order(n: int) -> list[int]:
+    """The zero mma's B pairs of the folded kernel: the query's n fragment words in the
+    order of channel blocks 4i, 4i + 2, 4i + 1, 4i + 3 for each i."""
+    return [4 * i + k for i in range(n // 4) for k in (0, 2, 1, 3)]
+
+
 def fold_inputs(qf, bits: int, pdt):
-    """The query buffer of the folded kernel: qf [B, H, 32, D/8] (``query_fragments``) ->
-    [B, H, 32, D/4 + NX]: the B fragment words, the same words as the zero mma's B pairs
-    (channel blocks 4i, 4i + 2, 4i + 1, 4i + 3 for each i), then ``fold_constants``."""
+    """What the folded kernel's ``load_q`` holds a lane (the reference of its registers):
+    qf [B, H, 32, D/8] (``query_fragments``) -> [B, H, 32, D/4 + NX]: the B fragment
+    words, the same words as the zero mma's B pairs (``fold_word_order``), then
+    ``fold_constants``."""
     b, h, _, n = qf.shape
-    perm = np.array([4 * i + k for i in range(n // 4) for k in (0, 2, 1, 3)])
     kx = jnp.broadcast_to(jnp.asarray(fold_constants(bits, pdt)), (b, h, 32, NX))
-    return jnp.concatenate([qf, qf[..., perm], kx], axis=-1)
+    return jnp.concatenate([qf, qf[..., np.array(fold_word_order(n))], kx], axis=-1)
 
 
-def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = ""):
-    """inline_mgpu bodies: ``load_q`` (the query's B fragments into registers), ``step`` (one
-    block of ``nsub`` records into the carry) and ``finish`` (the 4 warps' carries merged
-    into the CTA's partials in shared memory)."""
+def sign_words(signs) -> tuple[int, ...]:
+    """signs [D] (+-1) -> D / 32 words, bit i % 32 of word i // 32 set where signs[i] < 0
+    (``prep_q``'s table; D a multiple of 32)."""
+    neg = np.asarray(signs) < 0
+    return tuple(
+        int(sum(1 << k for k in range(32) if neg[32 * w + k])) for w in range(len(neg) // 32)
+    )
+
+
+def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = "",
+              g: int = NW, qscale: float = 1.0, rotate: bool = False,
+              signs: tuple[int, ...] = ()):  # fmt: skip
+    """inline_mgpu bodies: ``prep_q`` (the query converted to f32 in shared memory, with
+    ``rotate`` its Walsh-Hadamard rotation, ``signs`` the ``sign_words``), ``load_q`` (the
+    query's B fragments into registers), ``step`` (one block of ``nsub`` records into the
+    carry) and ``finish`` (the 4 warps' carries merged into the CTA's partials in shared
+    memory)."""
     from jax._src.lib.mlir import ir
     from jax._src.lib.mlir.dialects import arith, vector
     from jax.experimental.mosaic import gpu as mgpu
@@ -143,6 +163,9 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
 
     def f32():
         return ir.F32Type.get()
+
+    def c32u(x: int):  # an unsigned 32-bit pattern as the i32 constant of the same bits
+        return c32(x - (1 << 32) * (x >> 31))
 
     def cf(v):
         return arith.constant(f32(), ir.FloatAttr.get(f32(), v))
@@ -271,13 +294,88 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
         as_v2 = lambda x: vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32()), x))  # noqa: E731
         return as_i32(arith.mulf(as_v2(a), as_v2(b)))
 
-    def load_q(ctx, q_ref):
-        """This lane's B fragment words of the query (loop-invariant registers)."""
+    def prep_q(ctx, src_ref, q_ref):
+        """The query into q_ref [g, D] f32 from src_ref [g, D] (the kernel's input, any
+        float dtype): converted, and with ``rotate`` x -> fwht(s x) without its 1 / sqrt(D)
+        (which the caller folds into ``qscale``): the signs flip the float sign bits as the
+        elements are copied, then log2(D) butterfly stages in place, the g D / 2 pairs of a
+        stage over the 128 threads, a warpgroup barrier after each pass
+        (``oscar_jax.hadamard.fwht``'s order of sums)."""
         del ctx
-        lane = lanes()[3]
+        tid = ns.tids()[0]
+        vec1 = ir.VectorType.get((1,), f32())
+        half, npairs, n = d // 2, g * d // 2, g * d
+
+        def ld(ref, row, col):
+            et = ir.MemRefType(ref.type).element_type
+            v = vector.extract(vector.load(ir.VectorType.get((1,), et), ref,
+                                           [idx(row), idx(col)]), [], [0])  # fmt: skip
+            return v if et == f32() else arith.extf(f32(), v)
+
+        def st(v, row, col):
+            vector.store(vector.broadcast(vec1, v), q_ref, [idx(row), idx(col)])
+
+        def flip(v, col):  # v times signs[col]: the sign bit xor the table's bit
+            word = c32u(signs[-1])
+            for wi in range(len(signs) - 2, -1, -1):
+                x = c32u(signs[wi])
+                word = arith.select(arith.cmpi(arith.CmpIPredicate.eq, arith.shrui(col, c32(5)),
+                                               c32(wi)), x, word)  # fmt: skip
+            bit = arith.shli(arith.shrui(word, arith.andi(col, c32(31))), c32(31))
+            return arith.bitcast(f32(), arith.xori(arith.bitcast(i32(), v), bit))
+
+        def over(count, fn):  # fn(i) for i < count, i = tid + 128 k
+            for k in range(-(-count // 128)):
+                i = arith.addi(tid, c32(128 * k))
+                if 128 * (k + 1) <= count:
+                    fn(i)
+                else:
+                    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c32(count))):
+                        fn(i)
+            mu.warpgroup_barrier()  # the pass's stores visible to the next
+
+        def copy(e):
+            row, col = arith.divui(e, c32(d)), arith.remui(e, c32(d))
+            v = ld(src_ref, row, col)
+            st(flip(v, col) if any(signs) else v, row, col)
+
+        over(n, copy)
+        h = 1
+        while rotate and h < d:
+            lg = h.bit_length() - 1
+
+            def pair(p, h=h, lg=lg):
+                row, jj = arith.divui(p, c32(half)), arith.remui(p, c32(half))
+                i0 = arith.ori(arith.shli(arith.shrui(jj, c32(lg)), c32(lg + 1)),
+                               arith.andi(jj, c32(h - 1)))  # fmt: skip
+                i1 = arith.addi(i0, c32(h))
+                a, c = ld(q_ref, row, i0), ld(q_ref, row, i1)
+                st(arith.addf(a, c), row, i0)
+                st(arith.subf(a, c), row, i1)
+
+            over(npairs, pair)
+            h *= 2
+        return None
+
+    def load_q(ctx, q_ref):
+        """This lane's B fragment words of the query (loop-invariant registers), built from
+        q_ref [g, D] f32 (the rotated query as it is): times ``qscale``, rounded to the
+        parameter dtype, paired (``query_fragments``' words; zero for the heads past g),
+        then with a fold ``fold_inputs``' permuted pairs and constants."""
+        del ctx
+        _, _, j, _, gid = lanes()
+        live = arith.cmpi(arith.CmpIPredicate.ult, gid, c32(g))
+        row = idx(arith.minui(gid, c32(g - 1)))
+        zero, sc = c32(0), cf(qscale)
         qw = []
-        for k in range(query_words(d, fold) // 4):
-            qw += words(vector.load(ir.VectorType.get((4,), i32()), q_ref, [idx(lane), idx(4 * k)]))
+        for kk in range(d // 16):
+            for half in range(2):
+                col = arith.addi(arith.muli(j, c32(2)), c32(16 * kk + 8 * half))
+                lo, hi = words(vector.load(ir.VectorType.get((2,), f32()), q_ref, [row, idx(col)]))
+                qw.append(arith.select(live, pack(arith.mulf(lo, sc), arith.mulf(hi, sc)), zero))
+        if fold != "none":
+            qw += [qw[i] for i in fold_word_order(d // 8)]
+            qw += [c32u(int(x)) for x in fold_constants(bits, pdt)]
         return strided(qw)
 
     def step(ctx, rec_ref, n_ref, q_a, lim_a, m_a, l_a, o_a):
@@ -460,16 +558,20 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
                 mu.warpgroup_barrier()
         return None
 
-    return load_q, step, finish
+    return prep_q, load_q, step, finish
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
-                         param_dtype=jnp.float16, ring=None, final=None):  # fmt: skip
+                         param_dtype=jnp.float16, ring=None, final=None,
+                         signs=None):  # fmt: skip
     """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
     (acc [B, H, S (+ 1), D / 64, 64, 16] f32, ml [B, H, S (+ 1), 2, 16] f32); INT2 or INT4
     records, g <= 8. ``ring`` as ``_partials_raw``'s: one more split (the last) walks the
     full-precision ring with wgmma (``_ring.ring_walk``) while the others walk records, so
-    the ring's bytes stream in the same launch as the records'.
+    the ring's bytes stream in the same launch as the records'. ``signs`` [D] (+-1; None:
+    q_rot comes rotated): q_rot is the query in the original basis and each CTA rotates it
+    itself, R q = fwht(signs q) (``oscar_jax.hadamard.fwht_signs``; D a power of two), so
+    no GEMM launch precedes the kernel.
 
     ``final=(g, out_dtype, flags, poison)`` (with ``ring``, and a plan of one split a row):
     the whole call in this launch. Each CTA walks its (b, h)'s records, then the ring, merges
@@ -499,27 +601,41 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                          f"splits planned, ring given: {ring is not None}")  # fmt: skip
     has_flags = final is not None and final[2] is not None
     pdt = jnp.dtype(param_dtype)
-    qf = query_fragments(scaled_query(q_rot, softmax_scale, NW).astype(pdt))  # [B, H, 32, D/8]
+    # the kernel scales, rounds and pairs the query itself (``load_q``), and converts (and
+    # rotates) a 16-bit one (``prep_q``): no XLA launch before it
+    qin = q_rot if q_rot.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else q_rot.astype(
+        jnp.float32)  # [B, H, g, D]  # fmt: skip
+    prep = signs is not None or qin.dtype != jnp.float32
     nw = query_words(d, cfg.fold)
-    if cfg.fold != "none":
-        qf = fold_inputs(qf, bits, pdt)  # [B, H, 32, D/4 + NX]
     probe = cfg.stage.removeprefix("probe_") if cfg.stage.startswith("probe_") else ""
-    load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe)
+    qscale = query_scale(softmax_scale, d)
+    if signs is not None:
+        if len(signs) != d or d & (d - 1):
+            raise ValueError(f"the in-kernel rotation takes {d=} signs, d a power of two: "
+                             f"{len(signs)=}")  # fmt: skip
+        qscale /= float(np.sqrt(d))  # fwht's normalization
+    words_s = () if signs is None else sign_words(signs)
+    prep_q, load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe, g=g,
+                                             qscale=qscale, rotate=signs is not None,
+                                             signs=words_s)  # fmt: skip
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
     layq = ST((128 * nw,), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
+        qin_smem = None
+        if prep:
+            *refs, qin_smem = refs
         if has_flags:
             flags_ref, *refs = refs
         if ring is None:
             acc_out, ml_out, q_smem, o_smem, ml_smem, xm_smem, q_bar = refs
         elif final is None:
-            qr_ref, kr_ref, vr_ref, mask_ref, acc_out, ml_out, q_smem, o_smem, ml_smem, \
+            qr_ref, kr_ref, vr_ref, len_ref, acc_out, ml_out, q_smem, o_smem, ml_smem, \
                 xm_smem, q_bar, qr_smem, pr_smem, qr_bar = refs  # fmt: skip
         else:
-            qr_ref, kr_ref, vr_ref, mask_ref, out_ref, q_smem, o_smem, ml_smem, xm_smem, \
+            qr_ref, kr_ref, vr_ref, len_ref, out_ref, q_smem, o_smem, ml_smem, xm_smem, \
                 q_bar, qr_smem, pr_smem, qr_bar, t_smem = refs  # fmt: skip
         bi = jax.lax.axis_index("b")
         hi = jax.lax.axis_index("h")
@@ -529,7 +645,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
             plgpu.barrier_wait(qr_bar)
             return ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi], vr_ref.at[bi, hi],
-                             mask_ref.at[bi], range(nmt), slots=ring[1].shape[2])  # fmt: skip
+                             (nq_ref[bi], len_ref[bi]), range(nmt),
+                             slots=ring[1].shape[2])  # fmt: skip
 
         if final is not None:
 
@@ -558,7 +675,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                     plgpu.wait_smem_to_gmem(0)
 
             records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
-                    xm_smem, q_bar, ring_and_output)  # fmt: skip
+                    xm_smem, q_bar, ring_and_output, qin_smem)  # fmt: skip
             return
 
         def store():
@@ -569,13 +686,13 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
 
         if ring is None:
             records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
-                    xm_smem, q_bar, store)  # fmt: skip
+                    xm_smem, q_bar, store, qin_smem)  # fmt: skip
             return
 
         @pl.when(si < s)
         def _():
             records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem,
-                    xm_smem, q_bar, store)  # fmt: skip
+                    xm_smem, q_bar, store, qin_smem)  # fmt: skip
 
         @pl.when(si == s)
         def _():
@@ -589,15 +706,18 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                 store()
 
     def records(bi, hi, si, q_ref, rec_ref, kn_ref, nq_ref, q_smem, o_smem, ml_smem, xm_smem,
-                q_bar, store):  # fmt: skip
-        """Split si of the quantized part: its blocks of records -> the partials tile."""
+                q_bar, store, qin_smem):  # fmt: skip
+        """Split si of the quantized part: its blocks of records -> the partials tile.
+        qin_smem: the query as it comes, when ``prep_q`` converts (rotates) it into q_smem."""
         nqv = nq_ref[bi]
         start_blk = si * bps
         nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
         # the named scopes are the phases of Mosaic's trace when ``cfg.profile_dir`` is set
         with jax.named_scope("query"):
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], qin_smem if prep else q_smem, q_bar)
             plgpu.barrier_wait(q_bar)
+            if prep:
+                plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(prep_q)(qin_smem, q_smem)
             qa = plgpu.inline_mgpu(
                 arg_types=(plgpu.RefType(),),
                 return_type=plgpu.ShapeDtypeStruct((128 * nw,), jnp.int32, layout=layq),
@@ -665,13 +785,14 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         kernel_name=f"oscar_decode_int{bits}_warp_{'partials' if final is None else 'single'}",
         out_type=out_type,
         scratch_types=[
-            plgpu.SMEM((32, nw), jnp.uint32),
+            plgpu.SMEM((g, d), f32),
             plgpu.SMEM((nmt, TILE, NPAD), f32),
             plgpu.SMEM((2, NPAD), f32),
             plgpu.SMEM((2, 4, NW), f32),
             plgpu.Barrier(num_arrivals=1),
             *ring_scratch,
             *final_scratch,
+            *([plgpu.SMEM((g, d), qin.dtype)] if prep else []),
         ],
         grid=(b, h, sr),
         grid_names=("b", "h", "s"),
@@ -680,7 +801,13 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         ),
     )
     rec3 = rec.reshape(b, h, nrec, words // 64, 64)
-    return fn(qf, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *fl, *(ring or ()))
+    return fn(qin, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *fl, *(ring or ()))
 
 
-__all__ = ["query_fragments", "value_param_word", "value_source", "warp_decode_partials"]
+__all__ = [
+    "query_fragments",
+    "sign_words",
+    "value_param_word",
+    "value_source",
+    "warp_decode_partials",
+]
