@@ -523,6 +523,26 @@ def test_fused_merge_is_the_lse_merge_of_its_splits():
     assert not np.asarray(got)[1, 1].any()
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_ring_query_pair_keeps_the_query_to_16_bits(dtype):
+    """The ring's query as a 16-bit pair: hi + lo equals the scaled f32 query to ~16
+    mantissa bits (one 16-bit rounding keeps 8 in bfloat16), so the ring's scores K hi +
+    K lo, two wgmma with f32 accumulation, carry the query's precision."""
+    from pallas_kernels.decode.mosaic import _ring
+
+    q = jnp.asarray(np.random.default_rng(3).normal(size=(2, 3, 7, 64)) * 3, jnp.float32)
+    want = np.asarray(_ring.ring_query(q, None, jnp.float32))  # [B, H, D, NPAD]
+    pair = _ring.ring_query_pair(q, None, dtype)
+    assert pair.shape == (2, 3, 2, 64, mk.NPAD) and pair.dtype == dtype
+    got = np.asarray(pair[:, :, 0], np.float32) + np.asarray(pair[:, :, 1], np.float32)
+    one = np.asarray(pair[:, :, 0], np.float32)
+    bits = 8 if dtype == jnp.bfloat16 else 11  # the mantissa bits of one rounding
+    # float16's lo of a small element is subnormal: absolute steps of 2^-24
+    np.testing.assert_allclose(got, want, rtol=2.0 ** -(2 * bits - 1), atol=2.0**-24)
+    assert np.abs(one - want).max() > 4 * np.abs(got - want).max()  # the lo half matters
+    assert not got[..., 7:].any()  # heads past g stay zero
+
+
 def test_merge_step_balances_the_splits_over_the_fewest_steps():
     assert [mk.merge_step_for(8, s) for s in (1, 2, 4, 8, 16, 32, 33, 12, 7, 9)] == [
         1, 2, 4, 8, 8, 8, 7, 6, 7, 5,

@@ -22,13 +22,26 @@ def ring_query(q, softmax_scale, dtype):
     return jnp.swapaxes(scaled_query(q, softmax_scale, NPAD), -1, -2).astype(dtype)
 
 
+def ring_query_pair(q, softmax_scale, dtype):
+    """q [B, H, g, D] -> [B, H, 2, D, NPAD] in ``dtype``: ``ring_query``'s f32 query split
+    into a 16-bit pair hi + lo (hi = q rounded, lo = the rest rounded), so the ring's scores
+    keep ~16 mantissa bits of the query through two wgmma instead of bfloat16's 8. With the
+    query rounded once, a row whose tokens are all in the ring missed float16 parameters'
+    tolerance at head_dim 64 (the ring's P rounding alone stays within it)."""
+    qt = ring_query(q, softmax_scale, jnp.float32)
+    hi = qt.astype(dtype)
+    lo = (qt - hi.astype(jnp.float32)).astype(dtype)
+    return jnp.stack([hi, lo], axis=2)
+
+
 def ring_dtype(k_res):
     """The 16-bit dtype the kernels read the ring in (a float32 ring is cast to bfloat16)."""
     return k_res.dtype if k_res.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
 
 
 def ring_walk(q_smem, p_smem, k_ref, v_ref, rows, blocks, *, slots: int):
-    """Online softmax of the ring against the query in ``q_smem`` [D, NPAD].
+    """Online softmax of the ring against the query pair in ``q_smem`` [2, D, NPAD]
+    (``ring_query_pair``: the scores are K hi + K lo, two wgmma into one accumulator).
 
     k_ref, v_ref [R, D] (16-bit, gmem); rows = (nq, length), the row's quantized tokens and
     tokens (int32 scalars): slot s holds token nq + (s - nq) mod R (``oscar_jax.cache``'s
@@ -58,7 +71,8 @@ def ring_walk(q_smem, p_smem, k_ref, v_ref, rows, blocks, *, slots: int):
         (i,) = idxs
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, k_smem, q_smem)
+            plgpu.wgmma(acc_ref, k_smem, q_smem.at[0])
+            plgpu.wgmma(acc_ref, k_smem, q_smem.at[1])
             return acc_ref[...]
 
         sc = pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32))
