@@ -21,7 +21,7 @@ out of the sum).
 
 usage: python3 -m benchmarks.bench_mosaic SHAPE[,SHAPE..] VARIANT[;VARIANT..]
   SHAPE = BxL (e.g. 1x131072); VARIANT = comma list of k=v for Int2DecodeConfig over the
-  backend's default_config for the record size (e.g. "stage=stream;block_tokens=256,waves=4").
+  backend's default_config for the shape (capacity L, B x 8 rows) (e.g. "stage=stream;block_tokens=256,waves=4").
 """
 
 import dataclasses
@@ -222,8 +222,9 @@ def run_shape(b, L, variants, copies, flush=False):
     for vs in variants:
         kw = parse_variant(vs)
         bits = kw.pop("bits", 2)
-        # the backend's defaults for this record size (default_config), the variant's knobs over them
-        cfg = dataclasses.replace(K.default_config(1 << 20, bits, DH), **kw)
+        # the backend's defaults for this shape (default_config: its capacity, batch rows and
+        # GQA group), the variant's knobs over them
+        cfg = dataclasses.replace(K.default_config(L, bits, DH, g, rows=b * HKV), **kw)
         bt = cfg.block_tokens
         layout = jax.jit(lambda c: K.fragment_layout(**c, block_tokens=bt))  # compiled once
         recs = [layout(c) for c in cache_sets(bits)]
