@@ -762,6 +762,28 @@ def test_backend_on_a_record_cache_lowers_for_sm90(merge, rotate_values, bits, d
 
 
 @pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("merge,kernel,bits,d", [
+    ("mosaic", "wgmma", 2, 128), ("fused", "wgmma", 4, 64), ("fused_mosaic", "warp", 2, 128),
+    ("single", "warp", 4, 64), ("xla", "warp", 2, 128),
+])  # fmt: skip
+def test_ring_query_pair_lowers_for_sm90(merge, kernel, bits, d):
+    """``ring_query="pair"``: every kernel that walks the ring (the merge launch, the wgmma
+    and warp kernels' ring split, the one launch) lowers with the (2, D, 16) query; the
+    XLA merge has no ring walk and ignores it."""
+    c = _cache(3, 2, [600, 130], rotate_values=merge in ("xla", "fused"), layout="record",
+               bits=bits, d=d)  # fmt: skip
+    cfg = mk.Int2DecodeConfig(kernel=kernel, ring_query="pair", block_tokens=64)
+    fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge, cfg=cfg))
+    fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",))
+
+
+def test_ring_query_is_validated():
+    with pytest.raises(ValueError, match="ring_query='hi' must be 'bf16' or 'pair'"):
+        mk.Int2DecodeConfig(ring_query="hi")
+    assert mk.Int2DecodeConfig().ring_query == "bf16"
+
+
+@pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("merge,launches", [
     ("auto", ["oscar_decode_int2_warp_partials"]),
     ("fused", ["oscar_decode_int2_warp_partials"]),
@@ -1222,9 +1244,11 @@ class TestMosaicGPU:
             ([4000, 150], 4, "float16", dict(d=256, bits=4, rotate_values=False)),
         ],
     )
-    def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw):
+    @pytest.mark.parametrize("ring_query", ["bf16", "pair"])
+    def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw, ring_query):
         """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
-        prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA."""
+        prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA; "pair":
+        the backend's default config with the ring's query as a hi + lo pair."""
         b, h, d = len(lengths), 2, kw.get("d", D)
         c = _cache(sum(lengths) + 2, b, lengths, param_dtype=param_dtype, max_len=4096 + 160,
                    layout="record", **kw)  # fmt: skip
@@ -1233,7 +1257,13 @@ class TestMosaicGPU:
             k, v = kv_with_sinks(500 + i, b, 1, h, d, jnp.bfloat16, sinks=())
             c = step(c, k[:, 0], v[:, 0])
         q = query(len(lengths) + 2, b, h * g, d, _qdtype(param_dtype))
-        got = jax.jit(lambda q, c: oj.decode_attention(q, c, implementation="mosaic"))(q, c)
+        if ring_query == "bf16":
+            call = functools.partial(oj.decode_attention, implementation="mosaic")
+        else:
+            cfg = mk.default_config(c.quant_capacity, kw.get("bits", 2), d, g, rows=b * h)
+            cfg = dataclasses.replace(cfg, ring_query=ring_query)
+            call = functools.partial(mk.decode_attention_mosaic, cfg=cfg)
+        got = jax.jit(call)(q, c)
         want = oj.decode_attention(q, c, implementation="xla")  # = the planar cache's
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err

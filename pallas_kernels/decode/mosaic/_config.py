@@ -75,6 +75,11 @@ class Int2DecodeConfig:
       kernel's phases (query load, each pipeline step, the end-of-CTA merge, the store;
       %clock stamps from one thread a warpgroup, a Perfetto JSON file a call, written on
       the host after each call; ``benchmarks.mosaic_timeline`` reads it). Empty: off.
+    ring_query: how the full-precision ring's wgmma walks take the query: "bf16" (rounded
+      once to the ring's 16-bit dtype) or "pair" (a hi + lo pair of that dtype, two wgmma a
+      tile: ~16 mantissa bits; ``_ring.ring_query_pair``). "pair" lowers for sm_90 and
+      fixes, in a CPU emulation, the one compiled failure of "bf16" (a row all in the ring,
+      head_dim 64, float16 parameters); not yet checked compiled on a GPU.
     """
 
     block_tokens: int = 256
@@ -92,6 +97,7 @@ class Int2DecodeConfig:
     kernel: str = "wgmma"
     fold: str = "none"
     profile_dir: str = ""
+    ring_query: str = "bf16"
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -115,6 +121,8 @@ class Int2DecodeConfig:
         if self.profile_dir and self.kernel != "warp":
             raise ValueError(f"profile_dir={self.profile_dir!r} is a knob of kernel='warp': "
                              f"{self.kernel=}")  # fmt: skip
+        if self.ring_query not in ("bf16", "pair"):
+            raise ValueError(f"ring_query={self.ring_query!r} must be 'bf16' or 'pair'")
         if self.unpack not in ("shift", "lop", "lop3"):
             raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
 

@@ -32,7 +32,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     D = 64, 128 or 256); rec [B, H, Lp/64, W] uint32 (``record_words(bits, D)``: 1600 / 2560
     at D = 128), kn [B, H, Lp] f32 (``fragment_layout``); nq [B] int32 quantized tokens per
     row (0 <= nq <= Lp).
-    ring: None, or (qr [B, H, 2, D, 16] the query for the ring as ``_ring.ring_query_pair`` makes
+    ring: None, or (qr [B, H, (2,) D, 16] the query for the ring as ``_ring.ring_inputs`` makes
     it, k_res, v_res [B, H, R, D] in qr's 16-bit dtype, lengths [B] int32 tokens a row, the
     ring holding tokens nq .. length - 1): split S (the last) walks the ring instead of
     records. signs: the warp kernel's in-kernel rotation (``_warp.warp_decode_partials``;
@@ -256,7 +256,7 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         jax.ShapeDtypeStruct((b, h, sr, 2, NPAD), f32),
     )
     ring_scratch = [] if ring is None else [
-        plgpu.SMEM((2, d, NPAD), ring[0].dtype, transforms=b_tr),
+        plgpu.SMEM(ring[0].shape[2:], ring[0].dtype, transforms=b_tr),
         plgpu.SMEM((TILE, NPAD), ring[0].dtype, transforms=b_tr),
         plgpu.Barrier(num_arrivals=1),
     ]  # fmt: skip

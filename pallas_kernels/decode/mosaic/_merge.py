@@ -13,7 +13,7 @@ from oscar_jax.record import TILE
 from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
 from pallas_kernels.decode.mosaic._output import store_output
-from pallas_kernels.decode.mosaic._ring import ring_dtype, ring_query_pair, ring_walk
+from pallas_kernels.decode.mosaic._ring import ring_inputs, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
 
@@ -100,9 +100,7 @@ def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
     """As ``int2_decode_attention``, with the ring walked inside the partials kernel as one
     more split (its K / V tiles wgmma operands from shared memory), so that what is left to
     XLA is the query prep and one LSE merge of the splits: fewer launches at small batch."""
-    rdt = ring_dtype(k_res)
-    ring = (ring_query_pair(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
-            lengths.astype(jnp.int32))  # fmt: skip
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, pair=cfg.ring_query == "pair")
     acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                             param_dtype=param_dtype, ring=ring)  # fmt: skip
     return merge_splits_with_ring_split(acc, ml, g=q.shape[2], unrotate=unrotate,
@@ -124,8 +122,9 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
     partials kernel: O^T channel blocks; running max in log2 units and row sums);
-    q_ring_t [B, H, 2, D, NPAD] in the ring's dtype (query^T as a hi + lo pair, original
-    basis, scaled by softmax_scale * log2(e), heads past g zero: ``_ring.ring_query_pair``);
+    q_ring_t [B, H, D, NPAD] or, as a hi + lo pair, [B, H, 2, D, NPAD] in the ring's dtype
+    (query^T, original basis, scaled by softmax_scale * log2(e), heads past g zero:
+    ``_ring.ring_inputs``);
     k_res, v_res [B, H, R, D] bfloat16 or float16; nq, lengths [B] int32: the quantized
     tokens and tokens of each row (the ring holds tokens nq .. length - 1, token t in slot t
     mod R; ``_ring.ring_walk``). All five None: no ring (the partials kernel walked it as
@@ -231,7 +230,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
         plgpu.wait_smem_to_gmem(0)
 
     ring_scratch = [
-        plgpu.SMEM((2, d, NPAD), k_res.dtype, transforms=b_tr),
+        plgpu.SMEM(q_ring_t.shape[2:], k_res.dtype, transforms=b_tr),
         plgpu.SMEM((TILE, NPAD), k_res.dtype, transforms=b_tr),
         plgpu.Barrier(num_arrivals=1),
     ] if has_ring else []  # fmt: skip
@@ -273,9 +272,7 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     ``signs`` (warp kernel): the partials kernel rotates the query itself, R q =
     fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None)."""
     b, h, g, d = q.shape
-    rdt = ring_dtype(k_res)
-    ring = (ring_query_pair(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
-            lengths.astype(jnp.int32))  # fmt: skip
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, pair=cfg.ring_query == "pair")
     acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
                             softmax_scale=softmax_scale, param_dtype=param_dtype,
                             ring=ring if ring_in_kernel else None, signs=signs)  # fmt: skip
@@ -299,9 +296,7 @@ def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     if cfg.kernel != "warp":
         raise ValueError(f"the one-launch call runs the warp kernel: {cfg.kernel=}")
     g = q.shape[2]
-    rdt = ring_dtype(k_res)
-    ring = (ring_query_pair(q, softmax_scale, rdt), k_res.astype(rdt), v_res.astype(rdt),
-            lengths.astype(jnp.int32))  # fmt: skip
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, pair=cfg.ring_query == "pair")
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return warp_decode_partials(q if signs is not None else q_rot, rec, kn, nq,
                                 cfg=dataclasses.replace(cfg, splits=1),

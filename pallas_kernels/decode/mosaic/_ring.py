@@ -34,14 +34,24 @@ def ring_query_pair(q, softmax_scale, dtype):
     return jnp.stack([hi, lo], axis=2)
 
 
+def ring_inputs(q, k_res, v_res, lengths, softmax_scale, *, pair: bool):
+    """The ring tuple the kernels walk: (the query as ``ring_query`` [B, H, D, NPAD] or
+    ``ring_query_pair`` [B, H, 2, D, NPAD], k_res, v_res [B, H, R, D] in the ring's 16-bit
+    dtype, lengths [B] int32)."""
+    rdt = ring_dtype(k_res)
+    qr = (ring_query_pair if pair else ring_query)(q, softmax_scale, rdt)
+    return qr, k_res.astype(rdt), v_res.astype(rdt), lengths.astype(jnp.int32)
+
+
 def ring_dtype(k_res):
     """The 16-bit dtype the kernels read the ring in (a float32 ring is cast to bfloat16)."""
     return k_res.dtype if k_res.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
 
 
 def ring_walk(q_smem, p_smem, k_ref, v_ref, rows, blocks, *, slots: int):
-    """Online softmax of the ring against the query pair in ``q_smem`` [2, D, NPAD]
-    (``ring_query_pair``: the scores are K hi + K lo, two wgmma into one accumulator).
+    """Online softmax of the ring against the query in ``q_smem`` [D, NPAD] (``ring_query``)
+    or [2, D, NPAD] (``ring_query_pair``: the scores K hi + K lo, two wgmma into one
+    accumulator).
 
     k_ref, v_ref [R, D] (16-bit, gmem); rows = (nq, length), the row's quantized tokens and
     tokens (int32 scalars): slot s holds token nq + (s - nq) mod R (``oscar_jax.cache``'s
@@ -71,8 +81,8 @@ def ring_walk(q_smem, p_smem, k_ref, v_ref, rows, blocks, *, slots: int):
         (i,) = idxs
 
         def qk(acc_ref):
-            plgpu.wgmma(acc_ref, k_smem, q_smem.at[0])
-            plgpu.wgmma(acc_ref, k_smem, q_smem.at[1])
+            for qh in (q_smem.at[0], q_smem.at[1]) if len(q_smem.shape) == 3 else (q_smem,):
+                plgpu.wgmma(acc_ref, k_smem, qh)
             return acc_ref[...]
 
         sc = pl.run_scoped(qk, plgpu.ACC((TILE, NPAD), f32))

@@ -763,7 +763,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     sr = s + (ring is not None and final is None)  # splits written
     b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
     ring_scratch = [] if ring is None else [
-        plgpu.SMEM((2, d, NPAD), ring[0].dtype, transforms=b_tr),
+        plgpu.SMEM(ring[0].shape[2:], ring[0].dtype, transforms=b_tr),
         plgpu.SMEM((TILE, NPAD), ring[0].dtype, transforms=b_tr),
         plgpu.Barrier(num_arrivals=1),
     ]  # fmt: skip
