@@ -21,7 +21,8 @@ out of the sum).
 
 usage: python3 -m benchmarks.bench_mosaic SHAPE[,SHAPE..] VARIANT[;VARIANT..]
   SHAPE = BxL (e.g. 1x131072); VARIANT = comma list of k=v for Int2DecodeConfig over the
-  backend's default_config for the shape (capacity L, B x 8 rows) (e.g. "stage=stream;block_tokens=256,waves=4").
+  backend's default_config for the shape: capacity L, B x 8 rows, e.g.
+  "stage=stream;block_tokens=256,waves=4" or "ring_query=pair".
 """
 
 import dataclasses
