@@ -527,12 +527,14 @@ def test_fused_merge_is_the_lse_merge_of_its_splits():
 def test_ring_query_pair_keeps_the_query_to_16_bits(dtype):
     """The ring's query as a 16-bit pair: hi + lo equals the scaled f32 query to ~16
     mantissa bits (one 16-bit rounding keeps 8 in bfloat16), so the ring's scores K hi +
-    K lo, two wgmma with f32 accumulation, carry the query's precision."""
+    K lo, two wgmma with f32 accumulation, carry the query's precision. Under jit, as the
+    backend builds it: on a GPU, XLA's excess-precision rule once dropped the round trip
+    that made lo, so lo was 0 (this test then fails on the GPU, not on the CPU)."""
     from pallas_kernels.decode.mosaic import _ring
 
     q = jnp.asarray(np.random.default_rng(3).normal(size=(2, 3, 7, 64)) * 3, jnp.float32)
     want = np.asarray(_ring.ring_query(q, None, jnp.float32))  # [B, H, D, NPAD]
-    pair = _ring.ring_query_pair(q, None, dtype)
+    pair = jax.jit(_ring.ring_query_pair, static_argnums=(1, 2))(q, None, dtype)
     assert pair.shape == (2, 3, 2, 64, mk.NPAD) and pair.dtype == dtype
     got = np.asarray(pair[:, :, 0], np.float32) + np.asarray(pair[:, :, 1], np.float32)
     one = np.asarray(pair[:, :, 0], np.float32)

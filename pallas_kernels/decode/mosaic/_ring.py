@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from oscar_jax import quant
 from oscar_jax.record import TILE
 from pallas_kernels.decode.mosaic._config import NPAD, scaled_query
 
@@ -29,9 +30,10 @@ def ring_query_pair(q, softmax_scale, dtype):
     query rounded once, a row whose tokens are all in the ring missed float16 parameters'
     tolerance at head_dim 64 (the ring's P rounding alone stays within it)."""
     qt = ring_query(q, softmax_scale, jnp.float32)
-    hi = qt.astype(dtype)
-    lo = (qt - hi.astype(jnp.float32)).astype(dtype)
-    return jnp.stack([hi, lo], axis=2)
+    # hi through reduce_precision, not astype(dtype).astype(f32): XLA's excess-precision
+    # rule drops that round trip on the GPU, which made lo = 0 and the pair a plain query
+    hi = quant.round_to_dtype(qt, dtype)
+    return jnp.stack([hi.astype(dtype), (qt - hi).astype(dtype)], axis=2)
 
 
 def ring_inputs(q, k_res, v_res, lengths, softmax_scale, *, pair: bool):
