@@ -8,8 +8,8 @@ call, one split a (b, h) walking its records and the ring and storing the output
 (``int2_decode_attention_1launch``). These take the query rotated and in f32;
 "3gemm" is call3 as the backend calls it with a GEMM rotation: a bfloat16 query in the
 original basis, rotated by a GEMM in XLA first (its kernels counted); the warp kernel's rows
-add "3rot" and "1rot", call3 and call1 from that bfloat16 query rotated by the kernel itself
-(``signs``, the backend's choice for the Hadamard rotations).
+add "2rot", "3rot" and "1rot", call2, call3 and call1 from that bfloat16 query rotated by the
+kernel itself (``signs``, the backend's choice for the Hadamard rotations).
 
 Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128 (``HEAD_DIM=64`` or ``256`` in
 the environment for the other head sizes). INT2: L - 128 quantized
@@ -273,6 +273,12 @@ def run_shape(b, L, variants, copies, flush=False):
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
+        def full2_rot(q, recs, kns):  # call2 with the warp kernel rotating the query
+            return [K.int2_decode_attention_2launch(q, None, r, n, nq, k_res, v_res, lengths,
+                                                    cfg=cfg, signs=signs)
+                    for r, n in zip(recs, kns)]  # fmt: skip
+
+        @jax.jit
         def full3_rot(q, recs, kns):  # call3 with the warp kernel rotating the query
             return [K.int2_decode_attention_2launch(q, None, r, n, nq, k_res, v_res, lengths,
                                                     cfg=cfg, ring_in_kernel=True, signs=signs)
@@ -300,6 +306,7 @@ def run_shape(b, L, variants, copies, flush=False):
                 med(full3_gemm, qb16, rec_l, kn_l, flush=flush) / copies
                 if cfg.stage == "full" else nan
             )  # fmt: skip
+            t_rot2 = med(full2_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
             t_rot3 = med(full3_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
             t_full1 = med(full1, q, rec_l, kn_l, flush=flush) / copies if rot else nan
             t_rot1 = med(full1_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
@@ -322,7 +329,8 @@ def run_shape(b, L, variants, copies, flush=False):
                    call2_frac_copy=int2_bytes / t_full2 / 1e3 / copy_rate, kernels_call2=det,
                    call3_us=t_full3, x_vs_fastest_bf16_call3=fastest / t_full3,
                    x_vs_cudnn_call3=t_cudnn / t_full3, kernels_call3=det3,
-                   call3_gemm_us=t_gemm3, call3_rot_us=t_rot3,
+                   call3_gemm_us=t_gemm3, call2_rot_us=t_rot2,
+                   x_vs_fastest_bf16_call2_rot=fastest / t_rot2, call3_rot_us=t_rot3,
                    x_vs_fastest_bf16_call3_rot=fastest / t_rot3, call1_us=t_full1,
                    x_vs_fastest_bf16_call1=fastest / t_full1, call1_rot_us=t_rot1,
                    x_vs_fastest_bf16_call1_rot=fastest / t_rot1)  # fmt: skip
@@ -344,13 +352,13 @@ if __name__ == "__main__":
         run_shape(b, L, variants, 1 if flush else max(1, copies), flush=flush)
     print(f"bench done in {time.time() - t0:.0f}s")
     print(
-        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5} {'3gemm':>6} {'3rot':>6} {'x3rot':>5} {'call1':>6} {'1rot':>6} {'x1rot':>5}"
+        f"{'shape':>9} {'variant':>30} {'kern':>6} {'callX':>6} {'call2':>6} {'call3':>6} {'GB/s':>5} {'%copy':>6} {'c2%cp':>6} {'cudnn':>6} {'xla':>6} {'xX':>5} {'x2':>5} {'x3':>5} {'3gemm':>6} {'2rot':>6} {'x2rot':>5} {'3rot':>6} {'x3rot':>5} {'call1':>6} {'1rot':>6} {'x1rot':>5}"
     )
     for r in rows:
         print(
             f"{r['shape']:>9} {r['variant'][:30]:>30} {r['kernel_us']:6.1f} {r['call_us']:6.1f} {r['call2_us']:6.1f} {r['call3_us']:6.1f} {r['kernel_GBps']:5.0f} "
             f"{100 * r['kernel_frac_copy']:5.1f}% {100 * r['call2_frac_copy']:5.1f}% {r['cudnn_us']:6.1f} {r['xla_us']:6.1f} {r['x_vs_fastest_bf16_call']:5.2f} {r['x_vs_fastest_bf16_call2']:5.2f} {r['x_vs_fastest_bf16_call3']:5.2f}"
-            f" {r['call3_gemm_us']:6.1f} {r['call3_rot_us']:6.1f} {r['x_vs_fastest_bf16_call3_rot']:5.2f} {r['call1_us']:6.1f} {r['call1_rot_us']:6.1f} {r['x_vs_fastest_bf16_call1_rot']:5.2f}"
+            f" {r['call3_gemm_us']:6.1f} {r['call2_rot_us']:6.1f} {r['x_vs_fastest_bf16_call2_rot']:5.2f} {r['call3_rot_us']:6.1f} {r['x_vs_fastest_bf16_call3_rot']:5.2f} {r['call1_us']:6.1f} {r['call1_rot_us']:6.1f} {r['x_vs_fastest_bf16_call1_rot']:5.2f}"
         )
     if os.environ.get("OUT"):
         tag = os.environ.get("TAG", "bench")
