@@ -782,7 +782,7 @@ def test_ring_query_pair_lowers_for_sm90(merge, kernel, bits, d):
 def test_ring_query_is_validated():
     with pytest.raises(ValueError, match="ring_query='hi' must be 'bf16' or 'pair'"):
         mk.Int2DecodeConfig(ring_query="hi")
-    assert mk.Int2DecodeConfig().ring_query == "bf16"
+    assert mk.Int2DecodeConfig().ring_query == "pair"
 
 
 @pytest.mark.usefixtures("lowering_stack")
@@ -793,10 +793,10 @@ def test_ring_query_is_validated():
     ("fused_mosaic", ["oscar_decode_int2_warp_partials", "oscar_decode_split_merge"]),
 ])  # fmt: skip
 def test_backend_on_long_rows_lowers_the_default_kernel(merge, launches):
-    """A record cache of >= WARP_MIN_CAPACITY quantized tokens: the backend's default call
+    """A record cache of 16K quantized tokens: the backend's default call
     lowers with the warp kernel under every merge (its ring split under "fused" and
     "fused_mosaic"), and the second launch's kind follows the merge."""
-    c = _cache(9, 2, [16600, 2900], max_len=mk.WARP_MIN_CAPACITY + 512, layout="record",
+    c = _cache(9, 2, [16600, 2900], max_len=16384 + 512, layout="record",
                rotate_values=merge not in ("mosaic", "fused_mosaic"))  # fmt: skip
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))
     text = fn.trace(query(4, 2, 8, D), c).lower(lowering_platforms=("cuda",)).as_text()
@@ -851,18 +851,18 @@ def test_default_config_fits_the_stages_in_shared_memory():
     for (b, d), c in got.items():  # two programs an SM: their stages within STAGE_BYTES
         rec = record.record_words(b, d) * 4 + 256
         assert c.max_concurrent_steps * rec * c.block_tokens // 64 <= mk.STAGE_BYTES
-        assert c.kernel == "wgmma"  # short rows
-    # long rows: the warp kernel where it covers the cache (head_dim <= 128, g <= 8)
-    n = mk.WARP_MIN_CAPACITY
-    kernels = {(b, d, g): mk.default_config(n, b, d, g).kernel
-               for b in (2, 4) for d in (64, 128, 256) for g in (None, 8, 9)}  # fmt: skip
-    assert {k for k, v in kernels.items() if v == "warp"} == {
-        (b, d, g) for b in (2, 4) for d in (64, 128) for g in (None, 8)
+    # the warp kernel wherever it covers the cache (head_dim <= 128, g <= 8), any length
+    kernels = {
+        (b, d, g, n): mk.default_config(n, b, d, g).kernel
+        for b in (2, 4)
+        for d in (64, 128, 256)
+        for g in (None, 8, 9)
+        for n in (512, 4096, 16384)
     }
-    # many short rows: the warp kernel from WARP_MIN_TOKEN_HEADS quantized token-heads
-    assert [mk.default_config(4096, 2, 128, 4, rows=r).kernel for r in (None, 8, 255, 256)] == [
-        "wgmma", "wgmma", "wgmma", "warp",
-    ]  # fmt: skip
+    assert {k for k, v in kernels.items() if v == "warp"} == {
+        (b, d, g, n) for b in (2, 4) for d in (64, 128) for g in (None, 8)
+        for n in (512, 4096, 16384)
+    }  # fmt: skip
     # INT2 rows filling 3 CTAs an SM better than 2 (for the one-launch call): 128-token blocks
     got = {(bits, r): mk.default_config(4096, bits, 128, 4, rows=r)
            for bits in (2, 4) for r in (320, 384, 512)}  # fmt: skip
@@ -1032,10 +1032,10 @@ class TestMosaicGPU:
         (8, "bfloat16", 128, "fused_mosaic"),
     ])  # fmt: skip
     def test_default_config_on_long_rows_matches_xla(self, g, param_dtype, d, merge):
-        """A record cache of >= WARP_MIN_CAPACITY quantized tokens: the backend's default
+        """A record cache of 16K quantized tokens: the backend's default
         (the warp kernel, with its ring split under "fused" / "fused_mosaic") against XLA."""
         lengths = [16600, 2900, 0]
-        c = _cache(9, 3, lengths, param_dtype=param_dtype, max_len=mk.WARP_MIN_CAPACITY + 512,
+        c = _cache(9, 3, lengths, param_dtype=param_dtype, max_len=16384 + 512,
                    d=d, layout="record",
                    rotate_values=merge not in ("mosaic", "fused_mosaic"))  # fmt: skip
         assert mk.default_config(c.quant_capacity, 2, d, g).kernel == "warp"
@@ -1246,11 +1246,11 @@ class TestMosaicGPU:
             ([4000, 150], 4, "float16", dict(d=256, bits=4, rotate_values=False)),
         ],
     )
-    @pytest.mark.parametrize("ring_query", ["bf16", "pair"])
-    def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw, ring_query):
+    @pytest.mark.parametrize("kernel", ["default", "wgmma"])
+    def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw, kernel):
         """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
-        prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA; "pair":
-        the backend's default config with the ring's query as a hi + lo pair."""
+        prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA; "wgmma":
+        the default config with the wgmma kernel (the default's kernel at head_dim 256)."""
         b, h, d = len(lengths), 2, kw.get("d", D)
         c = _cache(sum(lengths) + 2, b, lengths, param_dtype=param_dtype, max_len=4096 + 160,
                    layout="record", **kw)  # fmt: skip
@@ -1259,11 +1259,11 @@ class TestMosaicGPU:
             k, v = kv_with_sinks(500 + i, b, 1, h, d, jnp.bfloat16, sinks=())
             c = step(c, k[:, 0], v[:, 0])
         q = query(len(lengths) + 2, b, h * g, d, _qdtype(param_dtype))
-        if ring_query == "bf16":
+        if kernel == "default":
             call = functools.partial(oj.decode_attention, implementation="mosaic")
         else:
             cfg = mk.default_config(c.quant_capacity, kw.get("bits", 2), d, g, rows=b * h)
-            cfg = dataclasses.replace(cfg, ring_query=ring_query)
+            cfg = dataclasses.replace(cfg, kernel=kernel)
             call = functools.partial(mk.decode_attention_mosaic, cfg=cfg)
         got = jax.jit(call)(q, c)
         want = oj.decode_attention(q, c, implementation="xla")  # = the planar cache's

@@ -81,8 +81,6 @@ from oscar_jax.record import (
 from pallas_kernels.decode.mosaic._cache import (
     MERGES,
     STAGE_BYTES,
-    WARP_MIN_CAPACITY,
-    WARP_MIN_TOKEN_HEADS,
     auto_merge,
     decode_attention_mosaic,
     default_config,
@@ -104,8 +102,7 @@ from pallas_kernels.decode.mosaic._merge import (
 )
 
 __all__ = [
-    "D", "G", "LOG2E", "MERGES", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WARP_MIN_CAPACITY",
-    "WARP_MIN_TOKEN_HEADS", "WORDS",
+    "D", "G", "LOG2E", "MERGES", "NPAD", "OFFSETS", "STAGE_BYTES", "TILE", "WORDS",
     "Int2DecodeConfig",
     "auto_merge", "decode_attention_mosaic", "default_config", "fragment_layout",
     "fragment_layout_inverse",

@@ -85,12 +85,6 @@ def auto_merge(cfg: Int2DecodeConfig, b: int, h: int, capacity: int, rotate_valu
     return "mosaic" if spills and rounds < 3 else "fused_mosaic"
 
 
-WARP_MIN_CAPACITY = 16384  # quantized tokens from which the warp-level kernel is the default
-# ... or, with the rows known, quantized token-heads (rows x KV heads x capacity) from which
-# it is: many short rows (48 x 8 x 4K) fill the GPU with splits the warp kernel walks faster
-WARP_MIN_TOKEN_HEADS = 1 << 20
-
-
 def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
                    g: int | None = None, rows: int | None = None) -> Int2DecodeConfig:  # fmt: skip
     """The default tuning: the largest block of 256, 128 or 64 tokens that divides the
@@ -100,13 +94,13 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
     fit its 228 KB of shared memory; head_dim 256 takes 128-token blocks.
 
     The kernel: the warp-level one (``kernel="warp"``) for INT2 and INT4 at head_dim <= 128
-    with g <= 8 query heads a KV head (None: not known, taken as <= 8) from
-    ``WARP_MIN_CAPACITY`` quantized tokens, or from ``WARP_MIN_TOKEN_HEADS`` quantized
-    token-heads when ``rows`` (batch rows x KV heads) is given; the wgmma kernel elsewhere.
-    Measured (CUPTI; docs/mosaic_decode_notes.md): INT4 warp 71.5 against wgmma 75.4 us
-    at 1 x 128K and 39.6 against 42.0 at 1 x 64K (H100); INT2 at 48 x 4K (1.5M
-    token-heads) warp 76.3 against wgmma 92.3 us (call 96.1 against 119.2); at 1 x 4K (32K
-    token-heads) wgmma's call 12.6 against warp's 13.9 us (H200). INT2 warp rows that fill
+    with g <= 8 query heads a KV head (None: not known, taken as <= 8); the wgmma kernel
+    elsewhere. The warp kernel rotates a Hadamard-rotated cache's query itself, the wgmma
+    kernel's call rotates it by an XLA GEMM first. Measured (CUPTI, H100;
+    docs/mosaic_decode_notes.md): INT4 warp 71.5 against wgmma 75.4 us at 1 x 128K and 39.6
+    against 42.0 at 1 x 64K; INT2 at 48 x 4K warp 76.3 against wgmma 92.3 us; at 1 x 4K
+    the kernel 8.7 against 10.3 us and the backend's call from a bf16 query 12.8 against
+    15.4 (with the GEMM rotation for both: 16.0 against 15.4). INT2 warp rows that fill
     the rounds of three CTAs an SM (``SINGLE_MIN_FILL``) better than of two take 128-token
     blocks, three an SM, for the one-launch call: at 48 x 4K 86.0 us against 96.3 at
     256-token blocks (H100).
@@ -115,8 +109,7 @@ def default_config(capacity: int, bits: int = 2, head_dim: int = 128,
     fits = [b for b in (256, 128, 64) if capacity % b == 0]
     block = next((b for b in fits if 2 * rec * b // TILE <= STAGE_BYTES), fits[-1])
     stages = max(1, min(3, STAGE_BYTES // (rec * block // TILE)))
-    many = capacity >= WARP_MIN_CAPACITY or (rows or 0) * capacity >= WARP_MIN_TOKEN_HEADS
-    warp = head_dim <= 128 and (g is None or g <= 8) and many
+    warp = head_dim <= 128 and (g is None or g <= 8)
     if warp and bits == 2 and rows and capacity % 128 == 0:
         # INT2 at 128-token blocks: 134 registers and 40 KB of stages, three CTAs an SM; taken
         # when that lets the one-launch call's rows fill their rounds (48 x 8 on 3 x 132)

@@ -75,11 +75,11 @@ class Int2DecodeConfig:
       kernel's phases (query load, each pipeline step, the end-of-CTA merge, the store;
       %clock stamps from one thread a warpgroup, a Perfetto JSON file a call, written on
       the host after each call; ``benchmarks.mosaic_timeline`` reads it). Empty: off.
-    ring_query: how the full-precision ring's wgmma walks take the query: "bf16" (rounded
-      once to the ring's 16-bit dtype) or "pair" (a hi + lo pair of that dtype, two wgmma a
-      tile: ~16 mantissa bits; ``_ring.ring_query_pair``). "pair" lowers for sm_90 and
-      fixes, in a CPU emulation, the one compiled failure of "bf16" (a row all in the ring,
-      head_dim 64, float16 parameters); not yet checked compiled on a GPU.
+    ring_query: how the full-precision ring's wgmma walks take the query: "pair" (a hi + lo
+      pair of the ring's 16-bit dtype, two wgmma a tile: ~16 mantissa bits;
+      ``_ring.ring_query_pair``) or "bf16" (rounded once; ~0.3 us faster at 1 x 128K, but a
+      row whose tokens are all in the ring misses float16 parameters' tolerance at head_dim
+      64: 6.4e-3 against 6.0e-3).
     """
 
     block_tokens: int = 256
@@ -97,7 +97,7 @@ class Int2DecodeConfig:
     kernel: str = "wgmma"
     fold: str = "none"
     profile_dir: str = ""
-    ring_query: str = "bf16"
+    ring_query: str = "pair"
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
