@@ -793,9 +793,9 @@ def test_ring_query_is_validated():
     ("fused_mosaic", ["oscar_decode_int2_warp_partials", "oscar_decode_split_merge"]),
 ])  # fmt: skip
 def test_backend_on_long_rows_lowers_the_default_kernel(merge, launches):
-    """A record cache of 16K quantized tokens: the backend's default call
-    lowers with the warp kernel under every merge (its ring split under "fused" and
-    "fused_mosaic"), and the second launch's kind follows the merge."""
+    """A record cache of 16K quantized tokens: the backend's default call lowers with the
+    warp kernel under every merge (its ring split under "fused" and "fused_mosaic"), and
+    the second launch's kind follows the merge."""
     c = _cache(9, 2, [16600, 2900], max_len=16384 + 512, layout="record",
                rotate_values=merge not in ("mosaic", "fused_mosaic"))  # fmt: skip
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge))
@@ -1032,8 +1032,8 @@ class TestMosaicGPU:
         (8, "bfloat16", 128, "fused_mosaic"),
     ])  # fmt: skip
     def test_default_config_on_long_rows_matches_xla(self, g, param_dtype, d, merge):
-        """A record cache of 16K quantized tokens: the backend's default
-        (the warp kernel, with its ring split under "fused" / "fused_mosaic") against XLA."""
+        """A record cache of 16K quantized tokens: the backend's default (the warp kernel,
+        with its ring split under "fused" / "fused_mosaic") against XLA."""
         lengths = [16600, 2900, 0]
         c = _cache(9, 3, lengths, param_dtype=param_dtype, max_len=16384 + 512,
                    d=d, layout="record",

@@ -100,7 +100,7 @@ def int2_decode_attention_fused(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
     """As ``int2_decode_attention``, with the ring walked inside the partials kernel as one
     more split (its K / V tiles wgmma operands from shared memory), so that what is left to
     XLA is the query prep and one LSE merge of the splits: fewer launches at small batch."""
-    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, pair=cfg.ring_query == "pair")
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query)
     acc, ml = _partials_raw(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                             param_dtype=param_dtype, ring=ring)  # fmt: skip
     return merge_splits_with_ring_split(acc, ml, g=q.shape[2], unrotate=unrotate,
@@ -272,7 +272,7 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     ``signs`` (warp kernel): the partials kernel rotates the query itself, R q =
     fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None)."""
     b, h, g, d = q.shape
-    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, pair=cfg.ring_query == "pair")
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query)
     acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
                             softmax_scale=softmax_scale, param_dtype=param_dtype,
                             ring=ring if ring_in_kernel else None, signs=signs)  # fmt: skip
@@ -296,7 +296,7 @@ def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     if cfg.kernel != "warp":
         raise ValueError(f"the one-launch call runs the warp kernel: {cfg.kernel=}")
     g = q.shape[2]
-    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, pair=cfg.ring_query == "pair")
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query)
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return warp_decode_partials(q if signs is not None else q_rot, rec, kn, nq,
                                 cfg=dataclasses.replace(cfg, splits=1),
