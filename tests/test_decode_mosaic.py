@@ -610,15 +610,18 @@ def lowering_stack(monkeypatch):
 
 @pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("final", [None, jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("splits,merge_step", [(1, 8), (5, 2), (33, 8), (12, 8)])
-def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, final):
+@pytest.mark.parametrize("splits,merge_step,stages", [
+    (1, 8, None), (5, 2, None), (33, 8, None), (12, 8, None), (33, 8, 5), (12, 4, 2),
+])  # fmt: skip
+def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, final):
     """The merge launch without a ring (``merge="fused_mosaic"``'s second launch) lowers for
     sm_90 and, run by Mosaic's GPU interpreter on the CPU, equals the LSE merge in XLA: the
     steps of ``merge_step_for`` (the last one past the split count), an empty split, and
     a (row, head) whose splits are all empty (output 0). The interpreter reads the slots
     past the split count as zeros, as TMA does. ``final``: the output written by the
     kernel as the library returns it ([B, H, g, D] in that dtype, g = 5 of 16 padded
-    heads), a row whose flags carry the poison bit all NaN, the others untouched."""
+    heads), a row whose flags carry the poison bit all NaN, the others untouched.
+    ``stages``: the pipeline depth (``merge_stages``; 5 at 33 splits: every step in flight)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rng = np.random.default_rng(splits)
@@ -636,7 +639,7 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, final):
     flags = jnp.array([poison | 1, 2], jnp.int32)  # row 0 poisoned, row 1 another flag only
     fin = None if final is None else (g, jnp.dtype(final), flags, poison)
     fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, None, step=step,
-                                                 final=fin))  # fmt: skip
+                                                 final=fin, stages=stages))  # fmt: skip
     fn.trace(acc, ml).lower(lowering_platforms=("cuda",))
     with plgpu.force_gpu_interpret_mode():
         got = fn(acc, ml)  # [B, H, D / 64, 64, NPAD]: out^T (final: [B, H, g, D])
@@ -783,6 +786,8 @@ def test_ring_query_is_validated():
     with pytest.raises(ValueError, match="ring_query='hi' must be 'bf16' or 'pair'"):
         mk.Int2DecodeConfig(ring_query="hi")
     assert mk.Int2DecodeConfig().ring_query == "pair"
+    with pytest.raises(ValueError, match="merge_stages=0 must be None or >= 1"):
+        mk.Int2DecodeConfig(merge_stages=0)
 
 
 @pytest.mark.usefixtures("lowering_stack")

@@ -58,6 +58,10 @@ class Int2DecodeConfig:
       (fewer live registers, more wgmma issues; measured slower, kept for experiments).
     merge_step: at most this many splits the merge launch combines a pipeline step (the
       step count balanced, ``merge_step_for``).
+    merge_stages: the merge launch's pipeline depth over the splits (steps in flight a CTA);
+      None: 4 at one split a step, else 2. At 1 x 128K its 16 CTAs each stream ~135 KB of
+      partials latency-bound (~34 GB/s a CTA), so more in flight may pay; a step of 7
+      splits is ~29 KB of shared memory a stage.
     reduction_scratch: shared-memory bytes Mosaic reserves for cross-warp reductions (the
       softmax max of a block).
     overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the
@@ -93,6 +97,7 @@ class Int2DecodeConfig:
     overlap_keys: bool = True
     unpack: str = "lop3"
     merge_step: int = 8
+    merge_stages: int | None = None
     reduction_scratch: int = 2048
     kernel: str = "wgmma"
     fold: str = "none"
@@ -112,6 +117,8 @@ class Int2DecodeConfig:
             raise ValueError(f"stage={self.stage!r}")
         if self.merge_step < 1:
             raise ValueError(f"merge_step={self.merge_step} must be >= 1")
+        if self.merge_stages is not None and self.merge_stages < 1:
+            raise ValueError(f"merge_stages={self.merge_stages} must be None or >= 1")
         if self.kernel not in ("wgmma", "warp"):
             raise ValueError(f"kernel={self.kernel!r} must be 'wgmma' or 'warp'")
         if self.stage in WARP_PROBES and self.kernel != "warp":

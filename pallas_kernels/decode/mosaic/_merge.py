@@ -117,7 +117,7 @@ def merge_step_for(merge_step: int, splits: int) -> int:
 
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barriers=True,
-                    step=1, final=None):  # fmt: skip
+                    step=1, final=None, stages=None):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
@@ -129,6 +129,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     tokens and tokens of each row (the ring holds tokens nq .. length - 1, token t in slot t
     mod R; ``_ring.ring_walk``). All five None: no ring (the partials kernel walked it as
     its last split): the splits' merge only.
+    ``stages``: the splits' pipeline depth, steps in flight (None: 4 at ``step`` 1, else 2;
+    ``Int2DecodeConfig.merge_stages``).
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
     with ``final=(g, dtype, flags, poison)`` the output in the library's layout instead, [B, H, g,
     D] in ``dtype`` (the first g heads), NaN for a row whose int32 ``flags`` [B] have
@@ -217,7 +219,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
                 plgpu.BlockSpec((step, TILE, NPAD), lambda i: (i, ci, 0)),
                 plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
             ],
-            max_concurrent_steps=min(4 if step == 1 else 2, nsteps),
+            max_concurrent_steps=min(stages or (4 if step == 1 else 2), nsteps),
             init_carry=(m, lsum, o),
         )
         m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, D, 16], [S * 2, 16]
@@ -280,7 +282,7 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     step = merge_step_for(cfg.merge_step, acc.shape[2])
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
-                           final=final)  # fmt: skip
+                           final=final, stages=cfg.merge_stages)  # fmt: skip
 
 
 def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
