@@ -782,10 +782,29 @@ def test_ring_query_pair_lowers_for_sm90(merge, kernel, bits, d):
     fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",))
 
 
+@pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("merge,ring_query,bits,d", [
+    ("fused_mosaic", "pair", 2, 128), ("fused_mosaic", "bf16", 4, 64),
+    ("single", "pair", 4, 64), ("single", "bf16", 2, 128),
+])  # fmt: skip
+def test_ring_prep_in_kernel_lowers_for_sm90(merge, ring_query, bits, d):
+    """``ring_prep="kernel"``: the warp kernel's ring split (``fused_mosaic``) and the one
+    launch (``single``) make the ring's query themselves, so the call has no XLA launch
+    for it; with ``merge_stages`` the split merge's deeper pipeline lowers beside it."""
+    c = _cache(3, 2, [600, 130], rotate_values=False, layout="record", bits=bits, d=d)
+    cfg = mk.Int2DecodeConfig(kernel="warp", ring_query=ring_query, ring_prep="kernel",
+                              block_tokens=64, merge_stages=3)  # fmt: skip
+    fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge, cfg=cfg))
+    hlo = fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.pad" not in hlo  # the ring's query (heads padded to NPAD) not in XLA
+
+
 def test_ring_query_is_validated():
     with pytest.raises(ValueError, match="ring_query='hi' must be 'bf16' or 'pair'"):
         mk.Int2DecodeConfig(ring_query="hi")
     assert mk.Int2DecodeConfig().ring_query == "pair"
+    with pytest.raises(ValueError, match="ring_prep='gpu' must be 'xla' or 'kernel'"):
+        mk.Int2DecodeConfig(ring_prep="gpu")
     with pytest.raises(ValueError, match="merge_stages=0 must be None or >= 1"):
         mk.Int2DecodeConfig(merge_stages=0)
 
@@ -1251,12 +1270,17 @@ class TestMosaicGPU:
             ([4000, 150], 4, "float16", dict(d=256, bits=4, rotate_values=False)),
         ],
     )
-    @pytest.mark.parametrize("kernel", ["default", "wgmma"])
+    @pytest.mark.parametrize("kernel", ["default", "wgmma", "ring_prep"])
     def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw, kernel):
         """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
         prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA; "wgmma":
-        the default config with the wgmma kernel (the default's kernel at head_dim 256)."""
+        the default config with the wgmma kernel (the default's kernel at head_dim 256);
+        "ring_prep": the warp kernel making the ring's query itself (``ring_prep="kernel"``)
+        under its ring split and the one launch, with every merge step in flight."""
         b, h, d = len(lengths), 2, kw.get("d", D)
+        if kernel == "ring_prep" and (kw.get("rotate_values", True) or d > 128):
+            pytest.skip("values stored rotated (the XLA merge) or head_dim 256 (the wgmma "
+                        "kernel): no warp kernel walks the ring")  # fmt: skip
         c = _cache(sum(lengths) + 2, b, lengths, param_dtype=param_dtype, max_len=4096 + 160,
                    layout="record", **kw)  # fmt: skip
         step = jax.jit(oj.append)
@@ -1266,6 +1290,19 @@ class TestMosaicGPU:
         q = query(len(lengths) + 2, b, h * g, d, _qdtype(param_dtype))
         if kernel == "default":
             call = functools.partial(oj.decode_attention, implementation="mosaic")
+        elif kernel == "ring_prep":
+            cfg = mk.default_config(c.quant_capacity, kw.get("bits", 2), d, g, rows=b * h)
+            cfg = dataclasses.replace(cfg, kernel="warp", ring_prep="kernel", merge_stages=5)
+            want = oj.decode_attention(q, c, implementation="xla")
+            for merge in ("fused_mosaic", "single"):
+                got = jax.jit(functools.partial(mk.decode_attention_mosaic, cfg=cfg,
+                                                merge=merge))(q, c)  # fmt: skip
+                err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
+                assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), (
+                    merge,
+                    err,
+                )
+            return
         else:
             cfg = mk.default_config(c.quant_capacity, kw.get("bits", 2), d, g, rows=b * h)
             cfg = dataclasses.replace(cfg, kernel=kernel)

@@ -84,6 +84,12 @@ class Int2DecodeConfig:
       ``_ring.ring_query_pair``) or "bf16" (rounded once; ~0.3 us faster at 1 x 128K, but a
       row whose tokens are all in the ring misses float16 parameters' tolerance at head_dim
       64: 6.4e-3 against 6.0e-3).
+    ring_prep: where the ring's query (``ring_query``'s form: scaled, transposed, padded
+      to NPAD heads, rounded) is made: "xla" (a fusion before the launch: ~1.4 us at
+      1 x 128K on the H100) or "kernel" (the warp kernel's CTA that walks the ring makes it
+      from the query it reads; only where the kernel rotates the query itself, i.e.
+      Hadamard rotations and the ring walked by the warp kernel: its ring split or the one
+      launch; elsewhere XLA makes it).
     """
 
     block_tokens: int = 256
@@ -103,6 +109,7 @@ class Int2DecodeConfig:
     fold: str = "none"
     profile_dir: str = ""
     ring_query: str = "pair"
+    ring_prep: str = "xla"
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -128,6 +135,8 @@ class Int2DecodeConfig:
         if self.profile_dir and self.kernel != "warp":
             raise ValueError(f"profile_dir={self.profile_dir!r} is a knob of kernel='warp': "
                              f"{self.kernel=}")  # fmt: skip
+        if self.ring_prep not in ("xla", "kernel"):
+            raise ValueError(f"ring_prep={self.ring_prep!r} must be 'xla' or 'kernel'")
         if self.ring_query not in ("bf16", "pair"):
             raise ValueError(f"ring_query={self.ring_query!r} must be 'bf16' or 'pair'")
         if self.unpack not in ("shift", "lop", "lop3"):

@@ -33,10 +33,11 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     at D = 128), kn [B, H, Lp] f32 (``fragment_layout``); nq [B] int32 quantized tokens per
     row (0 <= nq <= Lp).
     ring: None, or (qr [B, H, (2,) D, 16] the query for the ring as ``_ring.ring_inputs`` makes
-    it, k_res, v_res [B, H, R, D] in qr's 16-bit dtype, lengths [B] int32 tokens a row, the
-    ring holding tokens nq .. length - 1): split S (the last) walks the ring instead of
-    records. signs: the warp kernel's in-kernel rotation (``_warp.warp_decode_partials``;
-    q_rot then in the original basis).
+    it (None: the warp kernel makes it, ``Int2DecodeConfig.ring_prep``), k_res, v_res [B, H,
+    R, D] in qr's 16-bit dtype, lengths [B] int32 tokens a row, the ring holding tokens nq
+    .. length - 1): split S (the last) walks the ring instead of records. signs: the warp
+    kernel's in-kernel rotation (``_warp.warp_decode_partials``; q_rot then in the original
+    basis).
     Returns acc [B, H, S (+ 1), D / 64, 64, 16] f32 (unnormalised O^T by channel blocks), ml
     [B, H, S (+ 1), 2, 16] f32 (running max of the scores in log2 units, -inf-like -1e30 for
     an empty split; the row sums).

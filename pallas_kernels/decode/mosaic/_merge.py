@@ -274,7 +274,12 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     ``signs`` (warp kernel): the partials kernel rotates the query itself, R q =
     fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None)."""
     b, h, g, d = q.shape
-    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query)
+    # the warp kernel's ring split makes the ring's query itself (from the unrotated query
+    # it reads) where asked; the merge launch's ring walk takes it from XLA
+    in_kernel = (cfg.ring_prep == "kernel" and ring_in_kernel and cfg.kernel == "warp"
+                 and signs is not None)  # fmt: skip
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query,
+                       query=not in_kernel)  # fmt: skip
     acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
                             softmax_scale=softmax_scale, param_dtype=param_dtype,
                             ring=ring if ring_in_kernel else None, signs=signs)  # fmt: skip
@@ -298,7 +303,9 @@ def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     if cfg.kernel != "warp":
         raise ValueError(f"the one-launch call runs the warp kernel: {cfg.kernel=}")
     g = q.shape[2]
-    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query)
+    in_kernel = cfg.ring_prep == "kernel" and signs is not None
+    ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query,
+                       query=not in_kernel)  # fmt: skip
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return warp_decode_partials(q if signs is not None else q_rot, rec, kn, nq,
                                 cfg=dataclasses.replace(cfg, splits=1),

@@ -32,7 +32,7 @@ def store_output(o, lsum, o_smem, out_ref, *, t_smem=None, bad=None):
     if t_smem is None:
         plgpu.copy_smem_to_gmem(o_smem, out_ref)
         return
-    ot = plgpu.load(o_smem.transpose((1, 0)), (), layout=plgpu.Layout.WG_STRIDED((NPAD, TILE), 1))
+    ot = plgpu.load(o_smem.transpose((1, 0)), layout=plgpu.Layout.WG_STRIDED((NPAD, TILE), 1))
     if bad is not None:
         ot = ot + jnp.where(bad, jnp.nan, 0.0).astype(jnp.float32)
     t_smem[...] = ot.astype(t_smem.dtype)

@@ -36,12 +36,16 @@ def ring_query_pair(q, softmax_scale, dtype):
     return jnp.stack([hi.astype(dtype), (qt - hi).astype(dtype)], axis=2)
 
 
-def ring_inputs(q, k_res, v_res, lengths, softmax_scale, query_form: str):
+def ring_inputs(q, k_res, v_res, lengths, softmax_scale, query_form: str, *, query=True):
     """The ring tuple the kernels walk: (the query as ``ring_query`` [B, H, D, NPAD] or, for
     ``query_form`` "pair" (``Int2DecodeConfig.ring_query``), ``ring_query_pair`` [B, H, 2,
-    D, NPAD], k_res, v_res [B, H, R, D] in the ring's 16-bit dtype, lengths [B] int32)."""
+    D, NPAD], k_res, v_res [B, H, R, D] in the ring's 16-bit dtype, lengths [B] int32).
+    ``query`` False: None for the query, which the warp kernel then makes itself
+    (``Int2DecodeConfig.ring_prep="kernel"``)."""
     rdt = ring_dtype(k_res)
-    qr = (ring_query_pair if query_form == "pair" else ring_query)(q, softmax_scale, rdt)
+    qr = None
+    if query:
+        qr = (ring_query_pair if query_form == "pair" else ring_query)(q, softmax_scale, rdt)
     return qr, k_res.astype(rdt), v_res.astype(rdt), lengths.astype(jnp.int32)
 
 

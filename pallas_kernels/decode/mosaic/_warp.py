@@ -136,9 +136,10 @@ def sign_words(signs) -> tuple[int, ...]:
 
 def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = "",
               g: int = NW, qscale: float = 1.0, rotate: bool = False,
-              signs: tuple[int, ...] = ()):  # fmt: skip
+              signs: tuple[int, ...] = (), rscale: float = 1.0):  # fmt: skip
     """inline_mgpu bodies: ``prep_q`` (the query converted to f32 in shared memory, with
-    ``rotate`` its Walsh-Hadamard rotation, ``signs`` the ``sign_words``), ``load_q`` (the
+    ``rotate`` its Walsh-Hadamard rotation, ``signs`` the ``sign_words``), ``ring_q`` (the
+    ring's query, times ``rscale``, transposed and padded), ``load_q`` (the
     query's B fragments into registers), ``step`` (one block of ``nsub`` records into the
     carry) and ``finish`` (the 4 warps' carries merged into the CTA's partials in shared
     memory)."""
@@ -294,6 +295,27 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
         as_v2 = lambda x: vector.bitcast(v2, vector.broadcast(ir.VectorType.get((1,), i32()), x))  # noqa: E731
         return as_i32(arith.mulf(as_v2(a), as_v2(b)))
 
+    def ld(ref, row, col):  # one element of a 2D shared-memory ref, as f32
+        et = ir.MemRefType(ref.type).element_type
+        v = vector.extract(vector.load(ir.VectorType.get((1,), et), ref,
+                                       [idx(row), idx(col)]), [], [0])  # fmt: skip
+        return v if et == f32() else arith.extf(f32(), v)
+
+    def st(ref, v, row, col):  # one f32 element of a 2D f32 shared-memory ref
+        vector.store(vector.broadcast(ir.VectorType.get((1,), f32()), v), ref,
+                     [idx(row), idx(col)])  # fmt: skip
+
+    def over(count, fn):  # fn(i) for i < count, i = tid + 128 k, then a warpgroup barrier
+        tid = ns.tids()[0]
+        for k in range(-(-count // 128)):
+            i = arith.addi(tid, c32(128 * k))
+            if 128 * (k + 1) <= count:
+                fn(i)
+            else:
+                with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c32(count))):
+                    fn(i)
+        mu.warpgroup_barrier()  # the pass's stores visible to the next
+
     def prep_q(ctx, src_ref, q_ref):
         """The query into q_ref [g, D] f32 from src_ref [g, D] (the kernel's input, any
         float dtype): converted, and with ``rotate`` x -> fwht(s x) without its 1 / sqrt(D)
@@ -302,18 +324,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
         stage over the 128 threads, a warpgroup barrier after each pass
         (``oscar_jax.hadamard.fwht``'s order of sums)."""
         del ctx
-        tid = ns.tids()[0]
-        vec1 = ir.VectorType.get((1,), f32())
         half, npairs, n = d // 2, g * d // 2, g * d
-
-        def ld(ref, row, col):
-            et = ir.MemRefType(ref.type).element_type
-            v = vector.extract(vector.load(ir.VectorType.get((1,), et), ref,
-                                           [idx(row), idx(col)]), [], [0])  # fmt: skip
-            return v if et == f32() else arith.extf(f32(), v)
-
-        def st(v, row, col):
-            vector.store(vector.broadcast(vec1, v), q_ref, [idx(row), idx(col)])
 
         def flip(v, col):  # v times signs[col]: the sign bit xor the table's bit
             word = c32u(signs[-1])
@@ -324,20 +335,10 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
             bit = arith.shli(arith.shrui(word, arith.andi(col, c32(31))), c32(31))
             return arith.bitcast(f32(), arith.xori(arith.bitcast(i32(), v), bit))
 
-        def over(count, fn):  # fn(i) for i < count, i = tid + 128 k
-            for k in range(-(-count // 128)):
-                i = arith.addi(tid, c32(128 * k))
-                if 128 * (k + 1) <= count:
-                    fn(i)
-                else:
-                    with mu.when(arith.cmpi(arith.CmpIPredicate.ult, i, c32(count))):
-                        fn(i)
-            mu.warpgroup_barrier()  # the pass's stores visible to the next
-
         def copy(e):
             row, col = arith.divui(e, c32(d)), arith.remui(e, c32(d))
             v = ld(src_ref, row, col)
-            st(flip(v, col) if any(signs) else v, row, col)
+            st(q_ref, flip(v, col) if any(signs) else v, row, col)
 
         over(n, copy)
         h = 1
@@ -350,11 +351,26 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
                                arith.andi(jj, c32(h - 1)))  # fmt: skip
                 i1 = arith.addi(i0, c32(h))
                 a, c = ld(q_ref, row, i0), ld(q_ref, row, i1)
-                st(arith.addf(a, c), row, i0)
-                st(arith.subf(a, c), row, i1)
+                st(q_ref, arith.addf(a, c), row, i0)
+                st(q_ref, arith.subf(a, c), row, i1)
 
             over(npairs, pair)
             h *= 2
+        return None
+
+    def ring_q(ctx, src_ref, dst_ref):
+        """The ring's query before its rounding (``_ring.ring_query`` in f32): dst_ref [D,
+        NPAD] f32 <- (src_ref [g, D] times ``rscale``)^T, the heads past g zero. src_ref is
+        the query as the kernel reads it (original basis, any float dtype)."""
+        del ctx
+
+        def put(e):
+            col, head = arith.divui(e, c32(NPAD)), arith.remui(e, c32(NPAD))
+            v = arith.mulf(ld(src_ref, arith.minui(head, c32(g - 1)), col), cf(rscale))
+            live = arith.cmpi(arith.CmpIPredicate.ult, head, c32(g))
+            st(dst_ref, arith.select(live, v, cf(0.0)), col, head)
+
+        over(d * NPAD, put)
         return None
 
     def load_q(ctx, q_ref):
@@ -558,7 +574,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
                 mu.warpgroup_barrier()
         return None
 
-    return prep_q, load_q, step, finish
+    return prep_q, ring_q, load_q, step, finish
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
@@ -568,10 +584,13 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     (acc [B, H, S (+ 1), D / 64, 64, 16] f32, ml [B, H, S (+ 1), 2, 16] f32); INT2 or INT4
     records, g <= 8. ``ring`` as ``_partials_raw``'s: one more split (the last) walks the
     full-precision ring with wgmma (``_ring.ring_walk``) while the others walk records, so
-    the ring's bytes stream in the same launch as the records'. ``signs`` [D] (+-1; None:
-    q_rot comes rotated): q_rot is the query in the original basis and each CTA rotates it
-    itself, R q = fwht(signs q) (``oscar_jax.hadamard.fwht_signs``; D a power of two), so
-    no GEMM launch precedes the kernel.
+    the ring's bytes stream in the same launch as the records'. Its query None (with
+    ``signs``): the CTA that walks the ring makes its query from the query it reads (the
+    original basis), in ``cfg.ring_query``'s form, so no XLA launch builds it.
+    ``signs`` [D] (+-1; None: q_rot comes rotated): q_rot is the query in the original
+    basis and each CTA rotates it itself, R q = fwht(signs q)
+    (``oscar_jax.hadamard.fwht_signs``; D a power of two), so no GEMM launch precedes the
+    kernel.
 
     ``final=(g, out_dtype, flags, poison)`` (with ``ring``, and a plan of one split a row):
     the whole call in this launch. Each CTA walks its (b, h)'s records, then the ring, merges
@@ -615,20 +634,29 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                              f"{len(signs)=}")  # fmt: skip
         qscale /= float(np.sqrt(d))  # fwht's normalization
     words_s = () if signs is None else sign_words(signs)
-    prep_q, load_q, step, finish = _warp_fns(pdt, d, nsub, bits, cfg.fold, probe, g=g,
-                                             qscale=qscale, rotate=signs is not None,
-                                             signs=words_s)  # fmt: skip
+    # ring[0] None: the ring's query made here from the query read (original basis)
+    ring_qk = ring is not None and ring[0] is None
+    if ring_qk and signs is None:
+        raise ValueError("the ring's query is made in the kernel only where the kernel "
+                         "rotates the query itself (signs given): ring[0] is None")  # fmt: skip
+    prep_q, ring_q, load_q, step, finish = _warp_fns(
+        pdt, d, nsub, bits, cfg.fold, probe, g=g, qscale=qscale, rotate=signs is not None,
+        signs=words_s, rscale=query_scale(softmax_scale, d))  # fmt: skip
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
     layq = ST((128 * nw,), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
-        qin_smem = None
+        qin_smem = rq_smem = None
+        if ring_qk:
+            *refs, rq_smem = refs
         if prep:
             *refs, qin_smem = refs
         if has_flags:
             flags_ref, *refs = refs
+        if ring_qk:  # no query input for the ring
+            refs = [None, *refs]
         if ring is None:
             acc_out, ml_out, q_smem, o_smem, ml_smem, xm_smem, q_bar = refs
         elif final is None:
@@ -641,9 +669,29 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         hi = jax.lax.axis_index("h")
         si = jax.lax.axis_index("s")
 
-        def walk_ring():
-            plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
-            plgpu.barrier_wait(qr_bar)
+        def walk_ring(query_in_smem=False):
+            """The ring's online softmax; ``query_in_smem``: qin_smem already holds this
+            row's query (the one launch, after its records)."""
+            if not ring_qk:
+                plgpu.copy_gmem_to_smem(qr_ref.at[bi, hi], qr_smem, qr_bar)
+                plgpu.barrier_wait(qr_bar)
+            else:
+                with jax.named_scope("ring_query"):
+                    if not query_in_smem:
+                        plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], qin_smem, qr_bar)
+                        plgpu.barrier_wait(qr_bar)
+                    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(ring_q)(qin_smem,
+                                                                               rq_smem)  # fmt: skip
+                    # as ``_ring.ring_query`` / ``ring_query_pair``: rounded to the ring's
+                    # dtype, with the pair the rest rounded again
+                    x = plgpu.load(rq_smem, layout=plgpu.Layout.WGMMA)  # [D, NPAD] f32
+                    xh = x.astype(qr_smem.dtype)
+                    if len(qr_smem.shape) == 3:
+                        qr_smem.at[0][...] = xh
+                        qr_smem.at[1][...] = (x - xh.astype(f32)).astype(qr_smem.dtype)
+                    else:
+                        qr_smem[...] = xh
+                    plgpu.commit_smem()  # the stores visible to the wgmma (async proxy)
             return ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi], vr_ref.at[bi, hi],
                              (nq_ref[bi], len_ref[bi]), range(nmt),
                              slots=ring[1].shape[2])  # fmt: skip
@@ -657,7 +705,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                 # plain loads) fenced against the ring pipeline's TMA writes into them
                 plgpu.commit_smem()
                 with jax.named_scope("ring"):
-                    m_r, l_r, *outs = walk_ring()
+                    m_r, l_r, *outs = walk_ring(query_in_smem=True)
                 with jax.named_scope("store"):
                     wg = plgpu.Layout.WGMMA
                     m_q = plgpu.load(ml_smem.at[0], layout=wg.reduce(0))
@@ -762,9 +810,13 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
 
     sr = s + (ring is not None and final is None)  # splits written
     b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
+    if ring is not None:
+        rdt = ring[1].dtype  # the ring's 16-bit dtype (``_ring.ring_dtype``)
+        qr_shape = ((2, d, NPAD) if cfg.ring_query == "pair" else (d, NPAD)) if ring_qk else \
+            ring[0].shape[2:]  # fmt: skip
     ring_scratch = [] if ring is None else [
-        plgpu.SMEM(ring[0].shape[2:], ring[0].dtype, transforms=b_tr),
-        plgpu.SMEM((TILE, NPAD), ring[0].dtype, transforms=b_tr),
+        plgpu.SMEM(qr_shape, rdt, transforms=b_tr),
+        plgpu.SMEM((TILE, NPAD), rdt, transforms=b_tr),
         plgpu.Barrier(num_arrivals=1),
     ]  # fmt: skip
     if final is None:
@@ -793,6 +845,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
             *ring_scratch,
             *final_scratch,
             *([plgpu.SMEM((g, d), qin.dtype)] if prep else []),
+            *([plgpu.SMEM((d, NPAD), f32)] if ring_qk else []),
         ],
         grid=(b, h, sr),
         grid_names=("b", "h", "s"),
@@ -801,7 +854,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
         ),
     )
     rec3 = rec.reshape(b, h, nrec, words // 64, 64)
-    return fn(qin, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *fl, *(ring or ()))
+    ring_in = () if ring is None else tuple(x for x in ring if x is not None)
+    return fn(qin, rec3, kn.reshape(b, h, nrec, TILE), nq.astype(jnp.int32), *fl, *ring_in)
 
 
 __all__ = [
