@@ -94,7 +94,7 @@ def parse_variant(s):
     kw = {}
     for item in filter(None, s.split(",")):
         k, v = item.split("=")
-        kw[k] = v if k in ("stage", "unpack", "kernel", "fold", "ring_query", "ring_prep") else int(v)
+        kw[k] = v if k in ("stage", "unpack", "kernel", "fold", "ring_query", "prep") else int(v)
     return kw  # "bits" (2 or 4) picks the cache; the rest are Int2DecodeConfig fields
 
 

@@ -787,24 +787,42 @@ def test_ring_query_pair_lowers_for_sm90(merge, kernel, bits, d):
     ("fused_mosaic", "pair", 2, 128), ("fused_mosaic", "bf16", 4, 64),
     ("single", "pair", 4, 64), ("single", "bf16", 2, 128),
 ])  # fmt: skip
-def test_ring_prep_in_kernel_lowers_for_sm90(merge, ring_query, bits, d):
-    """``ring_prep="kernel"``: the warp kernel's ring split (``fused_mosaic``) and the one
-    launch (``single``) make the ring's query themselves, so the call has no XLA launch
-    for it; with ``merge_stages`` the split merge's deeper pipeline lowers beside it."""
+def test_prep_in_kernel_lowers_for_sm90(merge, ring_query, bits, d):
+    """``prep="kernel"``: the warp kernel's ring split (``fused_mosaic``) and the one
+    launch (``single``) make the ring's query and the rows' nq themselves, so no XLA op
+    runs before the launch; with ``merge_stages`` the split merge's deeper pipeline lowers
+    beside it."""
     c = _cache(3, 2, [600, 130], rotate_values=False, layout="record", bits=bits, d=d)
-    cfg = mk.Int2DecodeConfig(kernel="warp", ring_query=ring_query, ring_prep="kernel",
+    cfg = mk.Int2DecodeConfig(kernel="warp", ring_query=ring_query, prep="kernel",
                               block_tokens=64, merge_stages=3)  # fmt: skip
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge, cfg=cfg))
     hlo = fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",)).as_text()
     assert "stablehlo.pad" not in hlo  # the ring's query (heads padded to NPAD) not in XLA
+    assert "stablehlo.divide" not in hlo  # nq = G floor(max(length - R, 0) / G) not in XLA
+
+
+@pytest.mark.parametrize("group,residual", [(32, 128), (64, 64), (16, 0), (32, 96)])
+def test_quantized_of_equals_the_caches_count(group, residual):
+    """What the kernels compute from a row's length under ``prep="kernel"`` is the cache's
+    nq exactly (lengths 0, below the ring, on and off group boundaries)."""
+    from oscar_jax.cache import quantized_count
+    from pallas_kernels.decode.mosaic._config import quantized_of
+
+    rng = np.random.default_rng(group + residual)
+    n = jnp.asarray(np.r_[0, 1, residual, residual + group - 1, residual + group,
+                          rng.integers(0, 70000, 64)], jnp.int32)  # fmt: skip
+    kcfg = oj.KVQuantConfig(group_size=group, residual_length=residual)
+    got = jax.jit(lambda x: quantized_of(x, (group, residual)))(n)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(quantized_count(n, kcfg)))
+    assert quantized_of(n, None) is n
 
 
 def test_ring_query_is_validated():
     with pytest.raises(ValueError, match="ring_query='hi' must be 'bf16' or 'pair'"):
         mk.Int2DecodeConfig(ring_query="hi")
     assert mk.Int2DecodeConfig().ring_query == "pair"
-    with pytest.raises(ValueError, match="ring_prep='gpu' must be 'xla' or 'kernel'"):
-        mk.Int2DecodeConfig(ring_prep="gpu")
+    with pytest.raises(ValueError, match="prep='gpu' must be 'xla' or 'kernel'"):
+        mk.Int2DecodeConfig(prep="gpu")
     with pytest.raises(ValueError, match="merge_stages=0 must be None or >= 1"):
         mk.Int2DecodeConfig(merge_stages=0)
 
@@ -1270,15 +1288,16 @@ class TestMosaicGPU:
             ([4000, 150], 4, "float16", dict(d=256, bits=4, rotate_values=False)),
         ],
     )
-    @pytest.mark.parametrize("kernel", ["default", "wgmma", "ring_prep"])
+    @pytest.mark.parametrize("kernel", ["default", "wgmma", "prep"])
     def test_backend_on_a_record_cache_matches_xla(self, lengths, g, param_dtype, kw, kernel):
         """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
         prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA; "wgmma":
         the default config with the wgmma kernel (the default's kernel at head_dim 256);
-        "ring_prep": the warp kernel making the ring's query itself (``ring_prep="kernel"``)
-        under its ring split and the one launch, with every merge step in flight."""
+        "prep": ``prep="kernel"``, the kernels computing nq from the lengths and the warp
+        kernel making the ring's query, under the ring split, the one launch and the merge
+        launch's ring walk, with every merge step in flight."""
         b, h, d = len(lengths), 2, kw.get("d", D)
-        if kernel == "ring_prep" and (kw.get("rotate_values", True) or d > 128):
+        if kernel == "prep" and (kw.get("rotate_values", True) or d > 128):
             pytest.skip("values stored rotated (the XLA merge) or head_dim 256 (the wgmma "
                         "kernel): no warp kernel walks the ring")  # fmt: skip
         c = _cache(sum(lengths) + 2, b, lengths, param_dtype=param_dtype, max_len=4096 + 160,
@@ -1290,11 +1309,11 @@ class TestMosaicGPU:
         q = query(len(lengths) + 2, b, h * g, d, _qdtype(param_dtype))
         if kernel == "default":
             call = functools.partial(oj.decode_attention, implementation="mosaic")
-        elif kernel == "ring_prep":
+        elif kernel == "prep":
             cfg = mk.default_config(c.quant_capacity, kw.get("bits", 2), d, g, rows=b * h)
-            cfg = dataclasses.replace(cfg, kernel="warp", ring_prep="kernel", merge_stages=5)
+            cfg = dataclasses.replace(cfg, kernel="warp", prep="kernel", merge_stages=5)
             want = oj.decode_attention(q, c, implementation="xla")
-            for merge in ("fused_mosaic", "single"):
+            for merge in ("fused_mosaic", "single", "mosaic"):
                 got = jax.jit(functools.partial(mk.decode_attention_mosaic, cfg=cfg,
                                                 merge=merge))(q, c)  # fmt: skip
                 err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))

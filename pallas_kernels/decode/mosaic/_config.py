@@ -28,6 +28,17 @@ def scaled_query(q_rot, softmax_scale, heads: int):
     return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 
+def quantized_of(x, nq_rule):
+    """A row's quantized tokens inside a kernel: ``nq_rule`` (G, R) -> G floor(max(x - R, 0)
+    / G) from its length x (``oscar_jax.cache.quantized_count``); None: x is nq already."""
+    if nq_rule is None:
+        return x
+    import jax
+
+    gs, r = nq_rule
+    return jax.lax.div(jnp.maximum(x - r, 0), jnp.int32(gs)) * gs
+
+
 WARP_PROBES = ("probe_v1",)  # the warp kernel's timing-only stages
 
 
@@ -84,12 +95,13 @@ class Int2DecodeConfig:
       ``_ring.ring_query_pair``) or "bf16" (rounded once; ~0.3 us faster at 1 x 128K, but a
       row whose tokens are all in the ring misses float16 parameters' tolerance at head_dim
       64: 6.4e-3 against 6.0e-3).
-    ring_prep: where the ring's query (``ring_query``'s form: scaled, transposed, padded
-      to NPAD heads, rounded) is made: "xla" (a fusion before the launch: ~1.4 us at
-      1 x 128K on the H100) or "kernel" (the warp kernel's CTA that walks the ring makes it
-      from the query it reads; only where the kernel rotates the query itself, i.e.
-      Hadamard rotations and the ring walked by the warp kernel: its ring split or the one
-      launch; elsewhere XLA makes it).
+    prep: where the call's small per-row inputs are made: "xla" (fusions before the
+      launch: the ring's query, ~1.4 us at 1 x 128K on the H100, and the rows' quantized
+      token counts nq) or "kernel" (the warp kernel and the merge launch compute nq from
+      the lengths, ``quantized_of``; the warp kernel's CTA that walks the ring makes the
+      ring's query, in ``ring_query``'s form, from the query it reads where it rotates the
+      query itself: Hadamard rotations, the ring walked by its ring split or the one
+      launch). The wgmma kernel and the merge launch's ring query stay in XLA.
     """
 
     block_tokens: int = 256
@@ -109,7 +121,7 @@ class Int2DecodeConfig:
     fold: str = "none"
     profile_dir: str = ""
     ring_query: str = "pair"
-    ring_prep: str = "xla"
+    prep: str = "xla"
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -135,8 +147,8 @@ class Int2DecodeConfig:
         if self.profile_dir and self.kernel != "warp":
             raise ValueError(f"profile_dir={self.profile_dir!r} is a knob of kernel='warp': "
                              f"{self.kernel=}")  # fmt: skip
-        if self.ring_prep not in ("xla", "kernel"):
-            raise ValueError(f"ring_prep={self.ring_prep!r} must be 'xla' or 'kernel'")
+        if self.prep not in ("xla", "kernel"):
+            raise ValueError(f"prep={self.prep!r} must be 'xla' or 'kernel'")
         if self.ring_query not in ("bf16", "pair"):
             raise ValueError(f"ring_query={self.ring_query!r} must be 'bf16' or 'pair'")
         if self.unpack not in ("shift", "lop", "lop3"):

@@ -8,7 +8,12 @@ import jax
 import jax.numpy as jnp
 
 from oscar_jax.record import TILE, record_format
-from pallas_kernels.decode.mosaic._config import NPAD, WARP_PROBES, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._config import (
+    NPAD,
+    WARP_PROBES,
+    Int2DecodeConfig,
+    quantized_of,
+)
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
 from pallas_kernels.decode.mosaic._ring import ring_query, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
@@ -24,7 +29,8 @@ def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2Deco
 
 
 def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
-                  softmax_scale=None, param_dtype=jnp.float16, ring=None, signs=None):  # fmt: skip
+                  softmax_scale=None, param_dtype=jnp.float16, ring=None, signs=None,
+                  nq_rule=None):  # fmt: skip
     """Split-K partials of the quantized part (and, with ``ring``, of the ring as one more
     split).
 
@@ -33,11 +39,12 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     at D = 128), kn [B, H, Lp] f32 (``fragment_layout``); nq [B] int32 quantized tokens per
     row (0 <= nq <= Lp).
     ring: None, or (qr [B, H, (2,) D, 16] the query for the ring as ``_ring.ring_inputs`` makes
-    it (None: the warp kernel makes it, ``Int2DecodeConfig.ring_prep``), k_res, v_res [B, H,
+    it (None: the warp kernel makes it, ``Int2DecodeConfig.prep``), k_res, v_res [B, H,
     R, D] in qr's 16-bit dtype, lengths [B] int32 tokens a row, the ring holding tokens nq
     .. length - 1): split S (the last) walks the ring instead of records. signs: the warp
     kernel's in-kernel rotation (``_warp.warp_decode_partials``; q_rot then in the original
-    basis).
+    basis). nq_rule (G, R): nq holds the rows' lengths and the warp kernel computes nq
+    itself (``_config.quantized_of``; for the wgmma kernel XLA does).
     Returns acc [B, H, S (+ 1), D / 64, 64, 16] f32 (unnormalised O^T by channel blocks), ml
     [B, H, S (+ 1), 2, 16] f32 (running max of the scores in log2 units, -inf-like -1e30 for
     an empty split; the row sums).
@@ -49,7 +56,9 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
         if cfg.stage not in ("full", *WARP_PROBES):
             raise ValueError(f"the warp kernel has no stage {cfg.stage!r}")
         return warp_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
-                                    param_dtype=param_dtype, ring=ring, signs=signs)  # fmt: skip
+                                    param_dtype=param_dtype, ring=ring, signs=signs,
+                                    nq_rule=nq_rule)  # fmt: skip
+    nq = quantized_of(nq, nq_rule)  # [B]: the wgmma kernel reads nq as given
     if signs is not None:
         raise ValueError(f"the in-kernel query rotation is the warp kernel's: {cfg.kernel=}")
     b, h, g, d = q_rot.shape

@@ -10,7 +10,7 @@ import numpy as np
 
 from oscar_jax.cache import _residual_tokens
 from oscar_jax.record import TILE
-from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig, quantized_of
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
 from pallas_kernels.decode.mosaic._output import store_output
 from pallas_kernels.decode.mosaic._ring import ring_inputs, ring_walk
@@ -117,7 +117,7 @@ def merge_step_for(merge_step: int, splits: int) -> int:
 
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barriers=True,
-                    step=1, final=None, stages=None):  # fmt: skip
+                    step=1, final=None, stages=None, nq_rule=None):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
@@ -129,6 +129,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     tokens and tokens of each row (the ring holds tokens nq .. length - 1, token t in slot t
     mod R; ``_ring.ring_walk``). All five None: no ring (the partials kernel walked it as
     its last split): the splits' merge only.
+    ``nq_rule`` (G, R): nq holds the lengths, and the kernel computes nq
+    (``_config.quantized_of``).
     ``stages``: the splits' pipeline depth, steps in flight (None: 4 at ``step`` 1, else 2;
     ``Int2DecodeConfig.merge_stages``).
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
@@ -172,7 +174,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
             plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
             plgpu.barrier_wait(q_bar)
             m, l_acc, o = ring_walk(q_smem, p_smem, k_ref.at[bi, hi], v_ref.at[bi, hi],
-                                    (nq_ref[bi], len_ref[bi]), (ci,),
+                                    (quantized_of(nq_ref[bi], nq_rule), len_ref[bi]), (ci,),
                                     slots=k_res.shape[2])  # fmt: skip
             lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
             # The splits' pipeline's first TMA copies (async proxy) land in scoped shared
@@ -262,7 +264,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
 def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                                   cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
                                   param_dtype=jnp.float16, ring_in_kernel=False,
-                                  out_dtype=None, flags=None, poison=0, signs=None):  # fmt: skip
+                                  out_dtype=None, flags=None, poison=0, signs=None,
+                                  nq_rule=None):  # fmt: skip
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
     in the original basis or the rotation folded into W_V / W_O), with the merge in a second
     Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel. The ring: walked by
@@ -272,42 +275,47 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     output [B, H, g, D] in ``out_dtype`` (None: q's) itself, NaN for the rows whose
     ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``).
     ``signs`` (warp kernel): the partials kernel rotates the query itself, R q =
-    fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None)."""
+    fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None).
+    ``nq_rule`` (G, R): nq is the lengths, and the kernels compute the rows' nq themselves
+    (``_config.quantized_of``; ``Int2DecodeConfig.prep``)."""
     b, h, g, d = q.shape
     # the warp kernel's ring split makes the ring's query itself (from the unrotated query
     # it reads) where asked; the merge launch's ring walk takes it from XLA
-    in_kernel = (cfg.ring_prep == "kernel" and ring_in_kernel and cfg.kernel == "warp"
+    in_kernel = (cfg.prep == "kernel" and ring_in_kernel and cfg.kernel == "warp"
                  and signs is not None)  # fmt: skip
     ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query,
                        query=not in_kernel)  # fmt: skip
     acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
                             softmax_scale=softmax_scale, param_dtype=param_dtype,
-                            ring=ring if ring_in_kernel else None, signs=signs)  # fmt: skip
+                            ring=ring if ring_in_kernel else None, signs=signs,
+                            nq_rule=nq_rule)  # fmt: skip
     merge_ring = (None,) * 5 if ring_in_kernel else (*ring[:3], nq, ring[3])
     step = merge_step_for(cfg.merge_step, acc.shape[2])
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
-                           final=final, stages=cfg.merge_stages)  # fmt: skip
+                           final=final, stages=cfg.merge_stages,
+                           nq_rule=None if ring_in_kernel else nq_rule)  # fmt: skip
 
 
 def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                                   cfg: Int2DecodeConfig, softmax_scale=None,
                                   param_dtype=jnp.float16, out_dtype=None, flags=None,
-                                  poison=0, signs=None):  # fmt: skip
+                                  poison=0, signs=None, nq_rule=None):  # fmt: skip
     """As ``int2_decode_attention_2launch`` in one Mosaic launch: the warp kernel
     (``cfg.kernel == "warp"``) with one split a (b, h), each CTA walking its records, then
     the ring, and storing the merged output ([B, H, g, D] in ``out_dtype``, None: q's; NaN
     for the rows whose ``flags`` have ``poison`` bits). For batches whose B x H CTAs fill
     the GPU by themselves: no partials round trip, no merge launch. ``signs``: as
-    ``int2_decode_attention_2launch``'s (the kernel rotates the query; q_rot not read)."""
+    ``int2_decode_attention_2launch``'s (the kernel rotates the query; q_rot not read),
+    ``nq_rule`` too (nq is the lengths)."""
     if cfg.kernel != "warp":
         raise ValueError(f"the one-launch call runs the warp kernel: {cfg.kernel=}")
     g = q.shape[2]
-    in_kernel = cfg.ring_prep == "kernel" and signs is not None
+    in_kernel = cfg.prep == "kernel" and signs is not None
     ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query,
                        query=not in_kernel)  # fmt: skip
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return warp_decode_partials(q if signs is not None else q_rot, rec, kn, nq,
                                 cfg=dataclasses.replace(cfg, splits=1),
                                 softmax_scale=softmax_scale, param_dtype=param_dtype, ring=ring,
-                                final=final, signs=signs)  # fmt: skip
+                                final=final, signs=signs, nq_rule=nq_rule)  # fmt: skip

@@ -41,7 +41,7 @@ def ring_inputs(q, k_res, v_res, lengths, softmax_scale, query_form: str, *, que
     ``query_form`` "pair" (``Int2DecodeConfig.ring_query``), ``ring_query_pair`` [B, H, 2,
     D, NPAD], k_res, v_res [B, H, R, D] in the ring's 16-bit dtype, lengths [B] int32).
     ``query`` False: None for the query, which the warp kernel then makes itself
-    (``Int2DecodeConfig.ring_prep="kernel"``)."""
+    (``Int2DecodeConfig.prep="kernel"``)."""
     rdt = ring_dtype(k_res)
     qr = None
     if query:
