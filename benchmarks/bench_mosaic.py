@@ -9,7 +9,9 @@ call, one split a (b, h) walking its records and the ring and storing the output
 "3gemm" is call3 as the backend calls it with a GEMM rotation: a bfloat16 query in the
 original basis, rotated by a GEMM in XLA first (its kernels counted); the warp kernel's rows
 add "2rot", "3rot" and "1rot", call2, call3 and call1 from that bfloat16 query rotated by the
-kernel itself (``signs``, the backend's choice for the Hadamard rotations).
+kernel itself (``signs``, the backend's choice for the Hadamard rotations). These four take the
+lengths as an argument and get nq from them as the backend's call does (an XLA fusion, or the
+kernels with ``prep=kernel``); the other columns take nq as a constant.
 
 Shapes: B x L tokens, 32 query heads, 8 KV heads, head_dim 128 (``HEAD_DIM=64`` or ``256`` in
 the environment for the other head sizes). INT2: L - 128 quantized
@@ -42,6 +44,7 @@ from oscar_jax import hadamard, quant
 from pallas_kernels.decode import mosaic as K
 
 HQ, HKV, RING = 32, 8, 160
+NQ_RULE = (32, 128)  # the modelled cache's G and R (RING = R + G slots): nq from the lengths
 ROTATION = oj.preset("oscar", bits=2)  # the method's Hadamard rotation of keys and query
 DH = int(os.environ.get("HEAD_DIM", 128))
 ITERS = int(os.environ.get("ITERS", 20))
@@ -265,29 +268,41 @@ def run_shape(b, L, variants, copies, flush=False):
         qb16 = q.astype(jnp.bfloat16)  # a model's query, original basis
         signs = hadamard.fwht_signs(ROTATION, DH)  # all ones: the plain Hadamard
 
+        def counts(lens):
+            """nq as the backend's call gets it from the lengths (a jit argument here, so not
+            constant-folded): by an XLA fusion, or with prep="kernel" by the kernels."""
+            if cfg.prep == "kernel" and cfg.kernel == "warp":
+                return lens, NQ_RULE
+            return K.quantized_of(lens, NQ_RULE), None
+
         @jax.jit
-        def full3_gemm(q, recs, kns):  # call3 with the query rotated by the GEMM in XLA
+        def full3_gemm(q, recs, kns, lens):  # call3 with the query rotated by the GEMM in XLA
             q_rot = hadamard.rotate(q.astype(jnp.float32), ROTATION, dense=True)
-            return [K.int2_decode_attention_2launch(q, q_rot, r, n, nq, k_res, v_res, lengths,
-                                                    cfg=cfg, ring_in_kernel=True)
+            n_q, rule = counts(lens)
+            return [K.int2_decode_attention_2launch(q, q_rot, r, n, n_q, k_res, v_res, lens,
+                                                    cfg=cfg, ring_in_kernel=True, nq_rule=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
-        def full2_rot(q, recs, kns):  # call2 with the warp kernel rotating the query
-            return [K.int2_decode_attention_2launch(q, None, r, n, nq, k_res, v_res, lengths,
-                                                    cfg=cfg, signs=signs)
+        def full2_rot(q, recs, kns, lens):  # call2 with the warp kernel rotating the query
+            n_q, rule = counts(lens)
+            return [K.int2_decode_attention_2launch(q, None, r, n, n_q, k_res, v_res, lens,
+                                                    cfg=cfg, signs=signs, nq_rule=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
-        def full3_rot(q, recs, kns):  # call3 with the warp kernel rotating the query
-            return [K.int2_decode_attention_2launch(q, None, r, n, nq, k_res, v_res, lengths,
-                                                    cfg=cfg, ring_in_kernel=True, signs=signs)
+        def full3_rot(q, recs, kns, lens):  # call3 with the warp kernel rotating the query
+            n_q, rule = counts(lens)
+            return [K.int2_decode_attention_2launch(q, None, r, n, n_q, k_res, v_res, lens,
+                                                    cfg=cfg, ring_in_kernel=True, signs=signs,
+                                                    nq_rule=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
-        def full1_rot(q, recs, kns):  # call1 with the warp kernel rotating the query
-            return [K.int2_decode_attention_1launch(q, None, r, n, nq, k_res, v_res, lengths,
-                                                    cfg=cfg, signs=signs)
+        def full1_rot(q, recs, kns, lens):  # call1 with the warp kernel rotating the query
+            n_q, rule = counts(lens)
+            return [K.int2_decode_attention_1launch(q, None, r, n, n_q, k_res, v_res, lens,
+                                                    cfg=cfg, signs=signs, nq_rule=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         nan = float("nan")
@@ -303,13 +318,19 @@ def run_shape(b, L, variants, copies, flush=False):
             )
             # either kernel: the wgmma kernel's backend call is this one (no in-kernel rotation)
             t_gemm3 = (
-                med(full3_gemm, qb16, rec_l, kn_l, flush=flush) / copies
+                med(full3_gemm, qb16, rec_l, kn_l, lengths, flush=flush) / copies
                 if cfg.stage == "full" else nan
             )  # fmt: skip
-            t_rot2 = med(full2_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
-            t_rot3 = med(full3_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
+            t_rot2 = (
+                med(full2_rot, qb16, rec_l, kn_l, lengths, flush=flush) / copies if rot else nan
+            )
+            t_rot3 = (
+                med(full3_rot, qb16, rec_l, kn_l, lengths, flush=flush) / copies if rot else nan
+            )
             t_full1 = med(full1, q, rec_l, kn_l, flush=flush) / copies if rot else nan
-            t_rot1 = med(full1_rot, qb16, rec_l, kn_l, flush=flush) / copies if rot else nan
+            t_rot1 = (
+                med(full1_rot, qb16, rec_l, kn_l, lengths, flush=flush) / copies if rot else nan
+            )
             det = med(full2, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)
             det3 = (
                 med(full3, q, rec_l[:1], kn_l[:1], detail=True, iters=5, flush=flush)

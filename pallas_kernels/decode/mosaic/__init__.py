@@ -88,7 +88,7 @@ from pallas_kernels.decode.mosaic._cache import (
     quantized_partial_mosaic,
     unsupported_reason,
 )
-from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig
+from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig, quantized_of
 from pallas_kernels.decode.mosaic._kernel import int2_decode_partials
 from pallas_kernels.decode.mosaic._merge import (
     int2_decode_attention,
@@ -110,5 +110,5 @@ __all__ = [
     "int2_decode_attention_fused",
     "int2_decode_partials", "int2_merge_ring", "kernel_inputs", "merge_partials_with_ring",
     "merge_splits_with_ring_split", "merge_step_for",
-    "offsets", "quantized_partial_mosaic", "record_words", "unsupported_reason",
+    "offsets", "quantized_of", "quantized_partial_mosaic", "record_words", "unsupported_reason",
 ]  # fmt: skip
