@@ -192,7 +192,8 @@ def child_run(args) -> dict:
         cmd = [sys.executable, os.path.abspath(__file__), "--sizes", args.sizes, "--impls",
                ",".join(args.impls), "--ops", ",".join(args.ops), "--child", path]  # fmt: skip
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True)
+        # a fresh compile too: not executables a persistent compilation cache would hand back
+        subprocess.run(cmd, check=True, env=dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false"))
         with open(path) as f:
             hashes = json.load(f)
     return dict(label="fresh subprocess", seconds=round(time.perf_counter() - t0, 1), hashes=hashes)

@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 # 8 simulated CPU devices for the sharding tests; set before JAX starts its backend.
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
@@ -16,6 +17,21 @@ if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
 # H200 `-n 4` failed 50 of 56 cache / attention tests that way and passed all without it.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# One persistent XLA compilation cache for the session's processes (the xdist workers and
+# the subprocesses some tests start, through JAX's own environment variables): many tests
+# compile the same programs (a model's decode step, the cache ops at the same shapes) from
+# fresh jit objects, and on a CPU compiling is most of a test's time. Keyed by the program,
+# jax version and flags, so a hit is the same executable. OSCAR_TEST_XLA_CACHE=off turns it
+# off; a path puts it there.
+_xla_cache = os.environ.get(
+    "OSCAR_TEST_XLA_CACHE",
+    os.path.join(tempfile.gettempdir(), f"oscar-jax-test-xla-cache-{os.getuid()}"),
+)
+if _xla_cache != "off":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _xla_cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -24,6 +40,10 @@ import models  # noqa: E402
 from oscar_jax import gpu_available  # noqa: E402, F401  (the tests' GPU check)
 
 jax.config.update("jax_enable_x64", False)
+if _xla_cache != "off":  # also where a plugin imported jax before the variables were set
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 # Hypothesis profiles (tests/test_fuzz.py): "ci" (default) is derandomized with no
 # shrinking and each property's own small example count, so CI time stays bounded;

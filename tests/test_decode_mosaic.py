@@ -785,19 +785,21 @@ def test_ring_query_pair_lowers_for_sm90(merge, kernel, bits, d):
 @pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("merge,ring_query,bits,d", [
     ("fused_mosaic", "pair", 2, 128), ("fused_mosaic", "bf16", 4, 64),
-    ("single", "pair", 4, 64), ("single", "bf16", 2, 128),
+    ("single", "pair", 4, 64), ("single", "bf16", 2, 128), ("mosaic", "pair", 2, 64),
 ])  # fmt: skip
 def test_prep_in_kernel_lowers_for_sm90(merge, ring_query, bits, d):
     """``prep="kernel"``: the warp kernel's ring split (``fused_mosaic``) and the one
     launch (``single``) make the ring's query and the rows' nq themselves, so no XLA op
-    runs before the launch; with ``merge_stages`` the split merge's deeper pipeline lowers
+    runs before the launch (``mosaic``: the kernels compute nq, XLA the query of the merge
+    launch's ring walk); with ``merge_stages`` the split merge's deeper pipeline lowers
     beside it."""
     c = _cache(3, 2, [600, 130], rotate_values=False, layout="record", bits=bits, d=d)
     cfg = mk.Int2DecodeConfig(kernel="warp", ring_query=ring_query, prep="kernel",
                               block_tokens=64, merge_stages=3)  # fmt: skip
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge, cfg=cfg))
     hlo = fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",)).as_text()
-    assert "stablehlo.pad" not in hlo  # the ring's query (heads padded to NPAD) not in XLA
+    # the ring's query (heads padded to NPAD) not in XLA, except for the merge launch's walk
+    assert ("stablehlo.pad" in hlo) == (merge == "mosaic")
     assert "stablehlo.divide" not in hlo  # nq = G floor(max(length - R, 0) / G) not in XLA
 
 
