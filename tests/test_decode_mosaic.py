@@ -807,14 +807,12 @@ def test_prep_in_kernel_lowers_for_sm90(merge, ring_query, bits, d):
 def test_quantized_of_equals_the_caches_count(group, residual):
     """What the kernels compute from a row's length under ``prep="kernel"`` is the cache's
     nq exactly (lengths 0, below the ring, on and off group boundaries)."""
-    from oscar_jax.cache import quantized_count
-
     rng = np.random.default_rng(group + residual)
     n = jnp.asarray(np.r_[0, 1, residual, residual + group - 1, residual + group,
                           rng.integers(0, 70000, 64)], jnp.int32)  # fmt: skip
     kcfg = oj.KVQuantConfig(group_size=group, residual_length=residual)
     got = jax.jit(lambda x: mk.quantized_of(x, (group, residual)))(n)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(quantized_count(n, kcfg)))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(oj.cache.quantized_count(n, kcfg)))
     assert mk.quantized_of(n, None) is n
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,8 +34,6 @@ def quantized_of(x, nq_rule):
     / G) from its length x (``oscar_jax.cache.quantized_count``); None: x is nq already."""
     if nq_rule is None:
         return x
-    import jax
-
     gs, r = nq_rule
     return jax.lax.div(jnp.maximum(x - r, 0), jnp.int32(gs)) * gs
 
