@@ -824,6 +824,12 @@ def test_ring_query_is_validated():
         mk.Int2DecodeConfig(prep="gpu")
     with pytest.raises(ValueError, match="merge_stages=0 must be None or >= 1"):
         mk.Int2DecodeConfig(merge_stages=0)
+    # 64 splits at 8 a step: 8 steps of 33,792 bytes would not fit shared memory
+    acc = jax.ShapeDtypeStruct((1, 2, 64, 2, 64, mk.NPAD), jnp.float32)
+    ml = jax.ShapeDtypeStruct((1, 2, 64, 2, mk.NPAD), jnp.float32)
+    with pytest.raises(ValueError, match="merge_stages=8 puts 8 steps of 33792 bytes"):
+        jax.eval_shape(lambda a, m: mk.int2_merge_ring(a, m, *(None,) * 5, step=8, stages=8),
+                       acc, ml)  # fmt: skip
 
 
 @pytest.mark.usefixtures("lowering_stack")

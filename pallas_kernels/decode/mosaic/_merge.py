@@ -16,6 +16,10 @@ from pallas_kernels.decode.mosaic._output import store_output
 from pallas_kernels.decode.mosaic._ring import ring_inputs, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
+# the split merge's pipeline slots at most (of the 227 KB a CTA may have on sm_90, the rest
+# left to the ring's scratch and the output's)
+MERGE_SMEM_BYTES = 180 * 1024
+
 
 def weigh_splits(acc, m2, l, m_ref):
     """The splits' partials rescaled to a common max and summed over the split axis:
@@ -150,6 +154,13 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     b, h, s, nmt, _, _ = acc.shape
     d = nmt * TILE
     has_ring = q_ring_t is not None
+    nsteps = -(-s // step)
+    depth = min(stages or (4 if step == 1 else 2), nsteps)
+    slot = step * (TILE + 2) * NPAD * 4  # a step's acc block and its (m, l) rows, f32
+    if depth * slot > MERGE_SMEM_BYTES:
+        raise ValueError(f"merge_stages={stages} puts {depth} steps of {slot} bytes of partials "
+                         f"in shared memory: at most {MERGE_SMEM_BYTES} bytes ({step=} splits "
+                         f"a step, {s} splits)")  # fmt: skip
     f32 = jnp.float32
     WG = plgpu.Layout.WGMMA
     b_tr = (plgpu.TilingTransform((8, 16)), plgpu.SwizzleTransform(32))
@@ -213,7 +224,6 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
             plgpu.commit_smem()
             return m_new, l_new, o
 
-        nsteps = -(-s // step)
         part_pipe = plgpu.emit_pipeline(
             part_body,
             grid=(nsteps,),
@@ -221,7 +231,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
                 plgpu.BlockSpec((step, TILE, NPAD), lambda i: (i, ci, 0)),
                 plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
             ],
-            max_concurrent_steps=min(stages or (4 if step == 1 else 2), nsteps),
+            max_concurrent_steps=depth,
             init_carry=(m, lsum, o),
         )
         m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, D, 16], [S * 2, 16]
