@@ -44,8 +44,9 @@ from oscar_jax import hadamard, quant
 from pallas_kernels.decode import mosaic as K
 
 HQ, HKV, RING = 32, 8, 160
-NQ_RULE = (32, 128)  # the modelled cache's G and R (RING = R + G slots): nq from the lengths
-ROTATION = oj.preset("oscar", bits=2)  # the method's Hadamard rotation of keys and query
+# the method's Hadamard rotation of keys and query; its G 32 and R 128 (RING = R + G slots)
+# also give nq from the lengths
+ROTATION = oj.preset("oscar", bits=2)
 DH = int(os.environ.get("HEAD_DIM", 128))
 ITERS = int(os.environ.get("ITERS", 20))
 rows = []
@@ -272,22 +273,22 @@ def run_shape(b, L, variants, copies, flush=False):
             """nq as the backend's call gets it from the lengths (a jit argument here, so not
             constant-folded): by an XLA fusion, or with prep="kernel" by the kernels."""
             if cfg.prep == "kernel" and cfg.kernel == "warp":
-                return lens, NQ_RULE
-            return K.quantized_of(lens, NQ_RULE), None
+                return lens, ROTATION
+            return K.quantized_of(lens, ROTATION), None
 
         @jax.jit
         def full3_gemm(q, recs, kns, lens):  # call3 with the query rotated by the GEMM in XLA
             q_rot = hadamard.rotate(q.astype(jnp.float32), ROTATION, dense=True)
             n_q, rule = counts(lens)
             return [K.int2_decode_attention_2launch(q, q_rot, r, n, n_q, k_res, v_res, lens,
-                                                    cfg=cfg, ring_in_kernel=True, nq_rule=rule)
+                                                    cfg=cfg, ring_in_kernel=True, nq_of=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
         def full2_rot(q, recs, kns, lens):  # call2 with the warp kernel rotating the query
             n_q, rule = counts(lens)
             return [K.int2_decode_attention_2launch(q, None, r, n, n_q, k_res, v_res, lens,
-                                                    cfg=cfg, signs=signs, nq_rule=rule)
+                                                    cfg=cfg, signs=signs, nq_of=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
@@ -295,14 +296,14 @@ def run_shape(b, L, variants, copies, flush=False):
             n_q, rule = counts(lens)
             return [K.int2_decode_attention_2launch(q, None, r, n, n_q, k_res, v_res, lens,
                                                     cfg=cfg, ring_in_kernel=True, signs=signs,
-                                                    nq_rule=rule)
+                                                    nq_of=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         @jax.jit
         def full1_rot(q, recs, kns, lens):  # call1 with the warp kernel rotating the query
             n_q, rule = counts(lens)
             return [K.int2_decode_attention_1launch(q, None, r, n, n_q, k_res, v_res, lens,
-                                                    cfg=cfg, signs=signs, nq_rule=rule)
+                                                    cfg=cfg, signs=signs, nq_of=rule)
                     for r, n in zip(recs, kns)]  # fmt: skip
 
         nan = float("nan")

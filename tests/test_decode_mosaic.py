@@ -811,7 +811,7 @@ def test_quantized_of_equals_the_caches_count(group, residual):
     n = jnp.asarray(np.r_[0, 1, residual, residual + group - 1, residual + group,
                           rng.integers(0, 70000, 64)], jnp.int32)  # fmt: skip
     kcfg = oj.KVQuantConfig(group_size=group, residual_length=residual)
-    got = jax.jit(lambda x: mk.quantized_of(x, (group, residual)))(n)
+    got = jax.jit(lambda x: mk.quantized_of(x, kcfg))(n)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(oj.cache.quantized_count(n, kcfg)))
     assert mk.quantized_of(n, None) is n
 

@@ -183,11 +183,11 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
     if merge == "auto":
         merge = auto_merge(cfg, b, h, cache.quant_capacity, kcfg.rotate_values)
     rec, kn, nq, lengths = kernel_inputs(cache, block_tokens=cfg.block_tokens)
-    nq_rule = None
+    nq_of = None
     if cfg.prep == "kernel" and cfg.kernel == "warp" and merge in ("mosaic", "fused_mosaic",
                                                                    "single"):  # fmt: skip
         # the Mosaic kernels compute nq from the lengths: no XLA launch for it
-        nq, nq_rule = lengths, (kcfg.group_size, kcfg.residual_length)
+        nq, nq_of = lengths, kcfg
     qg = q.astype(jnp.float32).reshape(b, h, g, cache.head_dim)
     signs = hadamard.fwht_signs(kcfg, cache.head_dim) if kcfg.rotate_keys else None
     if merge in ("mosaic", "fused_mosaic", "single") and cfg.kernel == "warp" and signs is not None:
@@ -204,7 +204,7 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
                                             lengths, cfg=cfg, softmax_scale=softmax_scale,
                                             param_dtype=pdt, out_dtype=q.dtype,
                                             flags=cache.flags, poison=FLAG_NONFINITE,
-                                            signs=signs, nq_rule=nq_rule)  # fmt: skip
+                                            signs=signs, nq_of=nq_of)  # fmt: skip
         return out.reshape(q.shape)
     if merge in ("mosaic", "fused_mosaic"):
         # the merge launch writes the output as the library returns it (layout, dtype and
@@ -215,7 +215,7 @@ def decode_attention_mosaic(q, cache, *, softmax_scale=None, cfg: Int2DecodeConf
                                             ring_in_kernel=merge == "fused_mosaic",
                                             out_dtype=q.dtype, flags=cache.flags,
                                             poison=FLAG_NONFINITE, signs=signs,
-                                            nq_rule=nq_rule)  # fmt: skip
+                                            nq_of=nq_of)  # fmt: skip
         return out.reshape(q.shape)
     unrot = (lambda x: hadamard.unrotate(x, kcfg, dense=True)) if kcfg.rotate_values else None
     call = int2_decode_attention_fused if merge == "fused" else int2_decode_attention

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oscar_jax.cache import quantized_count
 from oscar_jax.record import TILE
 
 NPAD = 16  # GQA query heads padded to the wgmma N (16-bit B operands need N >= 16)
@@ -29,13 +29,11 @@ def scaled_query(q_rot, softmax_scale, heads: int):
     return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 
-def quantized_of(x, nq_rule):
-    """A row's quantized tokens inside a kernel: ``nq_rule`` (G, R) -> G floor(max(x - R, 0)
-    / G) from its length x (``oscar_jax.cache.quantized_count``); None: x is nq already."""
-    if nq_rule is None:
-        return x
-    gs, r = nq_rule
-    return jax.lax.div(jnp.maximum(x - r, 0), jnp.int32(gs)) * gs
+def quantized_of(x, nq_of):
+    """A row's quantized tokens inside a kernel, as the Triton kernel's ``quantized_tokens``:
+    with ``nq_of`` (the cache's ``KVQuantConfig``) ``oscar_jax.cache.quantized_count`` of its
+    length x; None: x is nq already."""
+    return x if nq_of is None else quantized_count(x, nq_of)
 
 
 WARP_PROBES = ("probe_v1",)  # the warp kernel's timing-only stages

@@ -30,7 +30,7 @@ def int2_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2Deco
 
 def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfig(),
                   softmax_scale=None, param_dtype=jnp.float16, ring=None, signs=None,
-                  nq_rule=None):  # fmt: skip
+                  nq_of=None):  # fmt: skip
     """Split-K partials of the quantized part (and, with ``ring``, of the ring as one more
     split).
 
@@ -43,8 +43,8 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     R, D] in qr's 16-bit dtype, lengths [B] int32 tokens a row, the ring holding tokens nq
     .. length - 1): split S (the last) walks the ring instead of records. signs: the warp
     kernel's in-kernel rotation (``_warp.warp_decode_partials``; q_rot then in the original
-    basis). nq_rule (G, R): nq holds the rows' lengths and the warp kernel computes nq
-    itself (``_config.quantized_of``; for the wgmma kernel XLA does).
+    basis). nq_of (the cache's ``KVQuantConfig``): nq holds the rows' lengths and the warp
+    kernel computes nq itself (``_config.quantized_of``; for the wgmma kernel XLA does).
     Returns acc [B, H, S (+ 1), D / 64, 64, 16] f32 (unnormalised O^T by channel blocks), ml
     [B, H, S (+ 1), 2, 16] f32 (running max of the scores in log2 units, -inf-like -1e30 for
     an empty split; the row sums).
@@ -57,8 +57,8 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
             raise ValueError(f"the warp kernel has no stage {cfg.stage!r}")
         return warp_decode_partials(q_rot, rec, kn, nq, cfg=cfg, softmax_scale=softmax_scale,
                                     param_dtype=param_dtype, ring=ring, signs=signs,
-                                    nq_rule=nq_rule)  # fmt: skip
-    nq = quantized_of(nq, nq_rule)  # [B]: the wgmma kernel reads nq as given
+                                    nq_of=nq_of)  # fmt: skip
+    nq = quantized_of(nq, nq_of)  # [B]: the wgmma kernel reads nq as given
     if signs is not None:
         raise ValueError(f"the in-kernel query rotation is the warp kernel's: {cfg.kernel=}")
     b, h, g, d = q_rot.shape

@@ -121,7 +121,7 @@ def merge_step_for(merge_step: int, splits: int) -> int:
 
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barriers=True,
-                    step=1, final=None, stages=None, nq_rule=None):  # fmt: skip
+                    step=1, final=None, stages=None, nq_of=None):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
@@ -133,7 +133,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     tokens and tokens of each row (the ring holds tokens nq .. length - 1, token t in slot t
     mod R; ``_ring.ring_walk``). All five None: no ring (the partials kernel walked it as
     its last split): the splits' merge only.
-    ``nq_rule`` (G, R): nq holds the lengths, and the kernel computes nq
+    ``nq_of`` (the cache's ``KVQuantConfig``): nq holds the lengths, and the kernel computes nq
     (``_config.quantized_of``).
     ``stages``: the splits' pipeline depth, steps in flight (None: 4 at ``step`` 1, else 2;
     ``Int2DecodeConfig.merge_stages``).
@@ -185,7 +185,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
             plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
             plgpu.barrier_wait(q_bar)
             m, l_acc, o = ring_walk(q_smem, p_smem, k_ref.at[bi, hi], v_ref.at[bi, hi],
-                                    (quantized_of(nq_ref[bi], nq_rule), len_ref[bi]), (ci,),
+                                    (quantized_of(nq_ref[bi], nq_of), len_ref[bi]), (ci,),
                                     slots=k_res.shape[2])  # fmt: skip
             lsum = jnp.sum(l_acc, axis=0)  # [NPAD] COL layout
             # The splits' pipeline's first TMA copies (async proxy) land in scoped shared
@@ -275,7 +275,7 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
                                   cfg: Int2DecodeConfig = Int2DecodeConfig(), softmax_scale=None,
                                   param_dtype=jnp.float16, ring_in_kernel=False,
                                   out_dtype=None, flags=None, poison=0, signs=None,
-                                  nq_rule=None):  # fmt: skip
+                                  nq_of=None):  # fmt: skip
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
     in the original basis or the rotation folded into W_V / W_O), with the merge in a second
     Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel. The ring: walked by
@@ -286,8 +286,8 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     ``flags`` [B] have ``poison`` bits set (``oscar_jax.attention.poison_flagged_rows``).
     ``signs`` (warp kernel): the partials kernel rotates the query itself, R q =
     fwht(signs q) (``oscar_jax.hadamard.fwht_signs``), and q_rot is not read (None).
-    ``nq_rule`` (G, R): nq is the lengths, and the kernels compute the rows' nq themselves
-    (``_config.quantized_of``; ``Int2DecodeConfig.prep``)."""
+    ``nq_of`` (the cache's ``KVQuantConfig``): nq is the lengths, and the kernels compute
+    the rows' nq themselves (``_config.quantized_of``; ``Int2DecodeConfig.prep``)."""
     b, h, g, d = q.shape
     # the warp kernel's ring split makes the ring's query itself (from the unrotated query
     # it reads) where asked; the merge launch's ring walk takes it from XLA
@@ -298,26 +298,26 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
                             softmax_scale=softmax_scale, param_dtype=param_dtype,
                             ring=ring if ring_in_kernel else None, signs=signs,
-                            nq_rule=nq_rule)  # fmt: skip
+                            nq_of=nq_of)  # fmt: skip
     merge_ring = (None,) * 5 if ring_in_kernel else (*ring[:3], nq, ring[3])
     step = merge_step_for(cfg.merge_step, acc.shape[2])
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
                            final=final, stages=cfg.merge_stages,
-                           nq_rule=None if ring_in_kernel else nq_rule)  # fmt: skip
+                           nq_of=nq_of)  # fmt: skip
 
 
 def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
                                   cfg: Int2DecodeConfig, softmax_scale=None,
                                   param_dtype=jnp.float16, out_dtype=None, flags=None,
-                                  poison=0, signs=None, nq_rule=None):  # fmt: skip
+                                  poison=0, signs=None, nq_of=None):  # fmt: skip
     """As ``int2_decode_attention_2launch`` in one Mosaic launch: the warp kernel
     (``cfg.kernel == "warp"``) with one split a (b, h), each CTA walking its records, then
     the ring, and storing the merged output ([B, H, g, D] in ``out_dtype``, None: q's; NaN
     for the rows whose ``flags`` have ``poison`` bits). For batches whose B x H CTAs fill
     the GPU by themselves: no partials round trip, no merge launch. ``signs``: as
     ``int2_decode_attention_2launch``'s (the kernel rotates the query; q_rot not read),
-    ``nq_rule`` too (nq is the lengths)."""
+    ``nq_of`` too (nq is the lengths)."""
     if cfg.kernel != "warp":
         raise ValueError(f"the one-launch call runs the warp kernel: {cfg.kernel=}")
     g = q.shape[2]
@@ -328,4 +328,4 @@ def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     return warp_decode_partials(q if signs is not None else q_rot, rec, kn, nq,
                                 cfg=dataclasses.replace(cfg, splits=1),
                                 softmax_scale=softmax_scale, param_dtype=param_dtype, ring=ring,
-                                final=final, signs=signs, nq_rule=nq_rule)  # fmt: skip
+                                final=final, signs=signs, nq_of=nq_of)  # fmt: skip

@@ -578,7 +578,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
-                         param_dtype=jnp.float16, ring=None, final=None, nq_rule=None,
+                         param_dtype=jnp.float16, ring=None, final=None, nq_of=None,
                          signs=None):  # fmt: skip
     """The warp-level kernel's split-K partials, as ``_kernel._partials_raw`` returns them
     (acc [B, H, S (+ 1), D / 64, 64, 16] f32, ml [B, H, S (+ 1), 2, 16] f32); INT2 or INT4
@@ -587,8 +587,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     the ring's bytes stream in the same launch as the records'. Its query None (with
     ``signs``): the CTA that walks the ring makes its query from the query it reads (the
     original basis), in ``cfg.ring_query``'s form, so no XLA launch builds it.
-    ``nq_rule`` (G, R): nq holds the rows' lengths and each CTA computes its row's nq
-    (``_config.quantized_of``), so no XLA launch computes it.
+    ``nq_of`` (the cache's ``KVQuantConfig``): nq holds the rows' lengths and each CTA
+    computes its row's nq (``_config.quantized_of``), so no XLA launch computes it.
     ``signs`` [D] (+-1; None: q_rot comes rotated): q_rot is the query in the original
     basis and each CTA rotates it itself, R q = fwht(signs q)
     (``oscar_jax.hadamard.fwht_signs``; D a power of two), so no GEMM launch precedes the
@@ -695,7 +695,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                         qr_smem[...] = xh
                     plgpu.commit_smem()  # the stores visible to the wgmma (async proxy)
             return ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi], vr_ref.at[bi, hi],
-                             (quantized_of(nq_ref[bi], nq_rule), len_ref[bi]), range(nmt),
+                             (quantized_of(nq_ref[bi], nq_of), len_ref[bi]), range(nmt),
                              slots=ring[1].shape[2])  # fmt: skip
 
         if final is not None:
@@ -759,7 +759,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                 q_bar, store, qin_smem):  # fmt: skip
         """Split si of the quantized part: its blocks of records -> the partials tile.
         qin_smem: the query as it comes, when ``prep_q`` converts (rotates) it into q_smem."""
-        nqv = quantized_of(nq_ref[bi], nq_rule)
+        nqv = quantized_of(nq_ref[bi], nq_of)
         start_blk = si * bps
         nblk = jnp.clip((nqv - start_blk * bt + bt - 1) // bt, 0, bps)
         # the named scopes are the phases of Mosaic's trace when ``cfg.profile_dir`` is set
