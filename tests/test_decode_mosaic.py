@@ -822,6 +822,7 @@ def test_ring_query_is_validated():
     with pytest.raises(ValueError, match="ring_query='hi' must be 'bf16' or 'pair'"):
         mk.Int2DecodeConfig(ring_query="hi")
     assert mk.Int2DecodeConfig().ring_query == "pair"
+    assert mk.Int2DecodeConfig().prep == "kernel" and mk.Int2DecodeConfig().merge_stages is None
     with pytest.raises(ValueError, match="prep='gpu' must be 'xla' or 'kernel'"):
         mk.Int2DecodeConfig(prep="gpu")
     with pytest.raises(ValueError, match="merge_stages=0 must be None or >= 1"):
@@ -1300,8 +1301,8 @@ class TestMosaicGPU:
         """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
         prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA; "wgmma":
         the default config with the wgmma kernel (the default's kernel at head_dim 256);
-        "prep": the warp kernel with ``prep="kernel"`` (the kernels computing nq from the
-        lengths and the warp kernel making the ring's query) under the ring split,
+        "prep": the warp kernel with the default ``prep="kernel"`` (the kernels computing nq
+        from the lengths and the warp kernel making the ring's query) under the ring split,
         the one launch and the merge launch's ring walk, with every merge step in flight;
         then ``prep="xla"`` (both made by XLA fusions) under the ring split."""
         b, h, d = len(lengths), 2, kw.get("d", D)

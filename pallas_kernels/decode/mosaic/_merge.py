@@ -19,6 +19,10 @@ from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 # the split merge's pipeline slots at most (of the 227 KB a CTA may have on sm_90, the rest
 # left to the ring's scratch and the output's)
 MERGE_SMEM_BYTES = 180 * 1024
+# merge_stages=None: as many steps in flight as fit this much shared memory, at most
+# MERGE_AUTO_STAGES (the split merge streams its partials latency-bound: 16 CTAs at 1 x 128K)
+MERGE_AUTO_BYTES = 150 * 1024
+MERGE_AUTO_STAGES = 5
 
 
 def weigh_splits(acc, m2, l, m_ref):
@@ -135,8 +139,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     its last split): the splits' merge only.
     ``nq_of`` (the cache's ``KVQuantConfig``): nq holds the lengths, and the kernel computes nq
     (``_config.quantized_of``).
-    ``stages``: the splits' pipeline depth, steps in flight (None: 4 at ``step`` 1, else 2;
-    ``Int2DecodeConfig.merge_stages``).
+    ``stages``: the splits' pipeline depth, steps in flight (None: as many as fit
+    ``MERGE_AUTO_BYTES``, at most ``MERGE_AUTO_STAGES``; ``Int2DecodeConfig.merge_stages``).
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
     with ``final=(g, dtype, flags, poison)`` the output in the library's layout instead, [B, H, g,
     D] in ``dtype`` (the first g heads), NaN for a row whose int32 ``flags`` [B] have
@@ -155,8 +159,9 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     d = nmt * TILE
     has_ring = q_ring_t is not None
     nsteps = -(-s // step)
-    depth = min(stages or (4 if step == 1 else 2), nsteps)
     slot = step * (TILE + 2) * NPAD * 4  # a step's acc block and its (m, l) rows, f32
+    auto = max(1, min(MERGE_AUTO_STAGES, MERGE_AUTO_BYTES // slot))
+    depth = min(stages or auto, nsteps)
     if depth * slot > MERGE_SMEM_BYTES:
         raise ValueError(f"merge_stages={stages} puts {depth} steps of {slot} bytes of partials "
                          f"in shared memory: at most {MERGE_SMEM_BYTES} bytes ({step=} splits "
