@@ -93,11 +93,11 @@ class Int2DecodeConfig:
       row whose tokens are all in the ring misses float16 parameters' tolerance at head_dim
       64: 6.4e-3 against 6.0e-3).
     prep: where the call's small per-row inputs are made: "kernel" (the warp kernel and
-      the merge launch compute nq from the lengths, ``quantized_of``; the warp kernel's CTA
-      that walks the ring makes the ring's query, in ``ring_query``'s form, from the query
-      it reads where it rotates the query itself: Hadamard rotations, the ring walked by
-      its ring split or the one launch; the wgmma kernel and the merge launch's ring query
-      stay in XLA) or "xla" (fusions before the launch: the ring's query, ~1.4 us at
+      the merge launch compute nq from the lengths, ``quantized_of``; the kernel that walks
+      the ring makes the ring's query, in ``ring_query``'s form, from the query in the
+      original basis: the merge launch always, the warp kernel's ring split or one launch
+      where it rotates the query itself (Hadamard rotations); the wgmma kernel's ring split
+      takes XLA's) or "xla" (fusions before the launch: the ring's query, ~1.4 us at
       1 x 128K on the H100, and the rows' quantized token counts nq).
     """
 
