@@ -29,6 +29,15 @@ def scaled_query(q_rot, softmax_scale, heads: int):
     return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 
+KERNEL_QUERY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def kernel_query(q):
+    """The query as the kernels read it (TMA into shared memory, converted there): a float32,
+    bfloat16 or float16 query as it is, any other dtype as float32."""
+    return q if q.dtype in KERNEL_QUERY_DTYPES else q.astype(jnp.float32)
+
+
 def quantized_of(x, nq_of):
     """A row's quantized tokens inside a kernel, as the Triton kernel's ``quantized_tokens``:
     with ``nq_of`` (the cache's ``KVQuantConfig``) ``oscar_jax.cache.quantized_count`` of its

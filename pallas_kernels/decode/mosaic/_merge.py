@@ -11,9 +11,11 @@ import numpy as np
 from oscar_jax.cache import _residual_tokens
 from oscar_jax.record import TILE
 from pallas_kernels.decode.mosaic._config import (
+    KERNEL_QUERY_DTYPES,
     LOG2E,
     NPAD,
     Int2DecodeConfig,
+    kernel_query,
     quantized_of,
     query_scale,
 )
@@ -269,8 +271,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     if make_query is None:
         q_shape, make_scratch = (q_ring_t.shape[2:] if has_ring else None), []
     else:
-        if make_query[0] not in ("pair", "bf16") or q_ring_t.dtype not in (
-                jnp.float32, jnp.bfloat16, jnp.float16):  # fmt: skip
+        if make_query[0] not in ("pair", "bf16") or q_ring_t.dtype not in KERNEL_QUERY_DTYPES:
             raise ValueError(f"make_query={make_query!r} must name 'pair' or 'bf16', and the "
                              f"query be a float: {q_ring_t.dtype=}")  # fmt: skip
         q_shape = (2, d, NPAD) if make_query[0] == "pair" else (d, NPAD)
@@ -345,8 +346,7 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
                             nq_of=nq_of)  # fmt: skip
     make_query = None
     if in_kernel and not ring_in_kernel:
-        qin = q if q.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else q.astype(jnp.float32)
-        ring = (qin, *ring[1:])
+        ring = (kernel_query(q), *ring[1:])
         make_query = (cfg.ring_query, query_scale(softmax_scale, d))
     merge_ring = (None,) * 5 if ring_in_kernel else (*ring[:3], nq, ring[3])
     step = merge_step_for(cfg.merge_step, acc.shape[2])

@@ -37,7 +37,13 @@ from oscar_jax.record import (
     record_format,
     value_code_word,
 )
-from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, quantized_of, query_scale
+from pallas_kernels.decode.mosaic._config import (
+    NPAD,
+    Int2DecodeConfig,
+    kernel_query,
+    quantized_of,
+    query_scale,
+)
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
 from pallas_kernels.decode.mosaic._output import store_output
 from pallas_kernels.decode.mosaic._ring import make_ring_query, ring_walk
@@ -608,8 +614,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     pdt = jnp.dtype(param_dtype)
     # the kernel scales, rounds and pairs the query itself (``load_q``), and converts (and
     # rotates) a 16-bit one (``prep_q``): no XLA launch before it
-    qin = q_rot if q_rot.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else q_rot.astype(
-        jnp.float32)  # [B, H, g, D]  # fmt: skip
+    qin = kernel_query(q_rot)  # [B, H, g, D]
     prep = signs is not None or qin.dtype != jnp.float32
     nw = query_words(d, cfg.fold)
     probe = cfg.stage.removeprefix("probe_") if cfg.stage.startswith("probe_") else ""
