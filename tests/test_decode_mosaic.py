@@ -786,21 +786,22 @@ def test_ring_query_pair_lowers_for_sm90(merge, kernel, bits, d):
 @pytest.mark.parametrize("merge,ring_query,bits,d,prep", [
     ("fused_mosaic", "pair", 2, 128, "kernel"), ("fused_mosaic", "bf16", 4, 64, "kernel"),
     ("single", "pair", 4, 64, "kernel"), ("single", "bf16", 2, 128, "kernel"),
-    ("mosaic", "pair", 2, 64, "kernel"), ("single", "pair", 2, 64, "xla"),
+    ("mosaic", "pair", 2, 64, "kernel"), ("mosaic", "bf16", 4, 128, "kernel"),
+    ("single", "pair", 2, 64, "xla"), ("mosaic", "pair", 2, 64, "xla"),
 ])  # fmt: skip
 def test_prep_in_kernel_lowers_for_sm90(merge, ring_query, bits, d, prep):
-    """``prep="kernel"``: the warp kernel's ring split (``fused_mosaic``) and the one
-    launch (``single``) make the ring's query and the rows' nq themselves, so no XLA op
-    runs before the launch (``mosaic``: the kernels compute nq, XLA the query of the merge
-    launch's ring walk); with ``merge_stages`` the split merge's deeper pipeline lowers
-    beside it. ``prep="xla"``: both made by XLA fusions before the launch."""
+    """``prep="kernel"``: the kernel that walks the ring (the warp kernel's ring split,
+    ``fused_mosaic``; the one launch, ``single``; the merge launch, ``mosaic``) makes the
+    ring's query, and the kernels the rows' nq, so no XLA op runs before the launch; with
+    ``merge_stages`` the split merge's deeper pipeline lowers beside it. ``prep="xla"``:
+    both made by XLA fusions before the launch."""
     c = _cache(3, 2, [600, 130], rotate_values=False, layout="record", bits=bits, d=d)
     cfg = mk.Int2DecodeConfig(kernel="warp", ring_query=ring_query, prep=prep,
                               block_tokens=64, merge_stages=3)  # fmt: skip
     fn = jax.jit(lambda q, c: mk.decode_attention_mosaic(q, c, merge=merge, cfg=cfg))
     hlo = fn.trace(query(3, 2, 8, d), c).lower(lowering_platforms=("cuda",)).as_text()
-    # the ring's query (heads padded to NPAD) not in XLA, except for the merge launch's walk
-    assert ("stablehlo.pad" in hlo) == (merge == "mosaic" or prep == "xla")
+    # the ring's query (heads padded to NPAD) in XLA only under prep="xla"
+    assert ("stablehlo.pad" in hlo) == (prep == "xla")
     # nq = G floor(max(length - R, 0) / G) in XLA only under prep="xla"
     assert ("stablehlo.divide" in hlo) == (prep == "xla")
 
@@ -822,6 +823,7 @@ def test_ring_query_is_validated():
     with pytest.raises(ValueError, match="ring_query='hi' must be 'bf16' or 'pair'"):
         mk.Int2DecodeConfig(ring_query="hi")
     assert mk.Int2DecodeConfig().ring_query == "pair"
+    assert mk.Int2DecodeConfig().prep == "kernel" and mk.Int2DecodeConfig().merge_stages is None
     with pytest.raises(ValueError, match="prep='gpu' must be 'xla' or 'kernel'"):
         mk.Int2DecodeConfig(prep="gpu")
     with pytest.raises(ValueError, match="merge_stages=0 must be None or >= 1"):
@@ -1300,10 +1302,11 @@ class TestMosaicGPU:
         """``decode_attention(implementation="mosaic")`` on a layout='record' cache written by
         prefill and 40 decode steps (flushed groups, rows ending mid-record) vs XLA; "wgmma":
         the default config with the wgmma kernel (the default's kernel at head_dim 256);
-        "prep": the warp kernel with ``prep="kernel"`` (the kernels computing nq from the
-        lengths and the warp kernel making the ring's query) under the ring split,
-        the one launch and the merge launch's ring walk, with every merge step in flight;
-        then ``prep="xla"`` (both made by XLA fusions) under the ring split."""
+        "prep": the warp kernel with the default ``prep="kernel"`` (the kernels computing nq
+        from the lengths and the kernel that walks the ring making its query) under the
+        ring split, the one launch and the merge launch's ring walk (after the warp and the
+        wgmma kernel), with every merge step in flight; then ``prep="xla"`` (both made by
+        XLA fusions) under the ring split and the merge launch."""
         b, h, d = len(lengths), 2, kw.get("d", D)
         if kernel == "prep" and (kw.get("rotate_values", True) or d > 128):
             pytest.skip("values stored rotated (the XLA merge) or head_dim 256 (the wgmma "
@@ -1322,8 +1325,10 @@ class TestMosaicGPU:
             cfg = dataclasses.replace(cfg, kernel="warp", prep="kernel", merge_stages=5)
             want = oj.decode_attention(q, c, implementation="xla")
             xla_prep = dataclasses.replace(cfg, prep="xla")
+            wgmma = dataclasses.replace(cfg, kernel="wgmma")
             for merge, cf in [("fused_mosaic", cfg), ("single", cfg), ("mosaic", cfg),
-                              ("fused_mosaic", xla_prep)]:  # fmt: skip
+                              ("mosaic", wgmma), ("fused_mosaic", xla_prep),
+                              ("mosaic", xla_prep)]:  # fmt: skip
                 got = jax.jit(functools.partial(mk.decode_attention_mosaic, cfg=cf,
                                                 merge=merge))(q, c)  # fmt: skip
                 err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))

@@ -29,6 +29,15 @@ def scaled_query(q_rot, softmax_scale, heads: int):
     return jnp.pad(qt, ((0, 0), (0, 0), (0, heads - g), (0, 0)))
 
 
+KERNEL_QUERY_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def kernel_query(q):
+    """The query as the kernels read it (TMA into shared memory, converted there): a float32,
+    bfloat16 or float16 query as it is, any other dtype as float32."""
+    return q if q.dtype in KERNEL_QUERY_DTYPES else q.astype(jnp.float32)
+
+
 def quantized_of(x, nq_of):
     """A row's quantized tokens inside a kernel, as the Triton kernel's ``quantized_tokens``:
     with ``nq_of`` (the cache's ``KVQuantConfig``) ``oscar_jax.cache.quantized_count`` of its
@@ -67,9 +76,9 @@ class Int2DecodeConfig:
     merge_step: at most this many splits the merge launch combines a pipeline step (the
       step count balanced, ``merge_step_for``).
     merge_stages: the merge launch's pipeline depth over the splits (steps in flight a CTA);
-      None: 4 at one split a step, else 2. At 1 x 128K its 16 CTAs each stream ~135 KB of
-      partials latency-bound (~34 GB/s a CTA), so more in flight may pay; a step of 7
-      splits is ~29 KB of shared memory a stage.
+      None: as many as fit 150 KB of shared memory, at most 5 (``_merge.MERGE_AUTO_BYTES``).
+      At 1 x 128K its 16 CTAs each stream ~135 KB of partials latency-bound (~34 GB/s a
+      CTA, 2 steps in flight), so all 5 steps of 7 splits (~29 KB a stage) go in flight.
     reduction_scratch: shared-memory bytes Mosaic reserves for cross-warp reductions (the
       softmax max of a block).
     overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the
@@ -92,13 +101,13 @@ class Int2DecodeConfig:
       ``_ring.ring_query_pair``) or "bf16" (rounded once; ~0.3 us faster at 1 x 128K, but a
       row whose tokens are all in the ring misses float16 parameters' tolerance at head_dim
       64: 6.4e-3 against 6.0e-3).
-    prep: where the call's small per-row inputs are made: "xla" (fusions before the
-      launch: the ring's query, ~1.4 us at 1 x 128K on the H100, and the rows' quantized
-      token counts nq) or "kernel" (the warp kernel and the merge launch compute nq from
-      the lengths, ``quantized_of``; the warp kernel's CTA that walks the ring makes the
-      ring's query, in ``ring_query``'s form, from the query it reads where it rotates the
-      query itself: Hadamard rotations, the ring walked by its ring split or the one
-      launch). The wgmma kernel and the merge launch's ring query stay in XLA.
+    prep: where the call's small per-row inputs are made: "kernel" (the warp kernel and
+      the merge launch compute nq from the lengths, ``quantized_of``; the kernel that walks
+      the ring makes the ring's query, in ``ring_query``'s form, from the query in the
+      original basis: the merge launch always, the warp kernel's ring split or one launch
+      where it rotates the query itself (Hadamard rotations); the wgmma kernel's ring split
+      takes XLA's) or "xla" (fusions before the launch: the ring's query, ~1.4 us at
+      1 x 128K on the H100, and the rows' quantized token counts nq).
     """
 
     block_tokens: int = 256
@@ -118,7 +127,7 @@ class Int2DecodeConfig:
     fold: str = "none"
     profile_dir: str = ""
     ring_query: str = "pair"
-    prep: str = "xla"
+    prep: str = "kernel"
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:

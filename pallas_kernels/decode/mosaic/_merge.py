@@ -10,15 +10,27 @@ import numpy as np
 
 from oscar_jax.cache import _residual_tokens
 from oscar_jax.record import TILE
-from pallas_kernels.decode.mosaic._config import LOG2E, NPAD, Int2DecodeConfig, quantized_of
+from pallas_kernels.decode.mosaic._config import (
+    KERNEL_QUERY_DTYPES,
+    LOG2E,
+    NPAD,
+    Int2DecodeConfig,
+    kernel_query,
+    quantized_of,
+    query_scale,
+)
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
 from pallas_kernels.decode.mosaic._output import store_output
-from pallas_kernels.decode.mosaic._ring import ring_inputs, ring_walk
+from pallas_kernels.decode.mosaic._ring import make_ring_query, ring_inputs, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
 # the split merge's pipeline slots at most (of the 227 KB a CTA may have on sm_90, the rest
 # left to the ring's scratch and the output's)
 MERGE_SMEM_BYTES = 180 * 1024
+# merge_stages=None: as many steps in flight as fit this much shared memory, at most
+# MERGE_AUTO_STAGES (the split merge streams its partials latency-bound: 16 CTAs at 1 x 128K)
+MERGE_AUTO_BYTES = 150 * 1024
+MERGE_AUTO_STAGES = 5
 
 
 def weigh_splits(acc, m2, l, m_ref):
@@ -121,22 +133,26 @@ def merge_step_for(merge_step: int, splits: int) -> int:
 
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barriers=True,
-                    step=1, final=None, stages=None, nq_of=None):  # fmt: skip
+                    step=1, final=None, stages=None, nq_of=None,
+                    make_query=None):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
     partials kernel: O^T channel blocks; running max in log2 units and row sums);
     q_ring_t [B, H, D, NPAD] or, as a hi + lo pair, [B, H, 2, D, NPAD] in the ring's dtype
     (query^T, original basis, scaled by softmax_scale * log2(e), heads past g zero:
-    ``_ring.ring_inputs``);
+    ``_ring.ring_inputs``); with ``make_query=(form, rscale)`` the query itself instead,
+    [B, H, g, D] in the original basis (float32, bfloat16 or float16), from which each CTA
+    makes the ring's query (form "pair" or "bf16", ``Int2DecodeConfig.ring_query``; rscale
+    ``_config.query_scale``) with ``_ring.make_ring_query``, so no XLA launch builds it;
     k_res, v_res [B, H, R, D] bfloat16 or float16; nq, lengths [B] int32: the quantized
     tokens and tokens of each row (the ring holds tokens nq .. length - 1, token t in slot t
     mod R; ``_ring.ring_walk``). All five None: no ring (the partials kernel walked it as
     its last split): the splits' merge only.
     ``nq_of`` (the cache's ``KVQuantConfig``): nq holds the lengths, and the kernel computes nq
     (``_config.quantized_of``).
-    ``stages``: the splits' pipeline depth, steps in flight (None: 4 at ``step`` 1, else 2;
-    ``Int2DecodeConfig.merge_stages``).
+    ``stages``: the splits' pipeline depth, steps in flight (None: as many as fit
+    ``MERGE_AUTO_BYTES``, at most ``MERGE_AUTO_STAGES``; ``Int2DecodeConfig.merge_stages``).
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
     with ``final=(g, dtype, flags, poison)`` the output in the library's layout instead, [B, H, g,
     D] in ``dtype`` (the first g heads), NaN for a row whose int32 ``flags`` [B] have
@@ -155,8 +171,9 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     d = nmt * TILE
     has_ring = q_ring_t is not None
     nsteps = -(-s // step)
-    depth = min(stages or (4 if step == 1 else 2), nsteps)
     slot = step * (TILE + 2) * NPAD * 4  # a step's acc block and its (m, l) rows, f32
+    auto = max(1, min(MERGE_AUTO_STAGES, MERGE_AUTO_BYTES // slot))
+    depth = min(stages or auto, nsteps)
     if depth * slot > MERGE_SMEM_BYTES:
         raise ValueError(f"merge_stages={stages} puts {depth} steps of {slot} bytes of partials "
                          f"in shared memory: at most {MERGE_SMEM_BYTES} bytes ({step=} splits "
@@ -172,6 +189,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     def kernel(acc_ref, ml_ref, *refs):
         flags_ref = refs[0] if has_flags else None
         refs = refs[1:] if has_flags else refs
+        if has_ring and make_query is not None:
+            *refs, qin_smem, qf_smem = refs
         if final is not None:
             *refs, t_smem = refs
         if has_ring:
@@ -182,8 +201,14 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
         hi = jax.lax.axis_index("h")
         ci = jax.lax.axis_index("c")
         if has_ring:
-            plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
-            plgpu.barrier_wait(q_bar)
+            if make_query is None:
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], q_smem, q_bar)
+                plgpu.barrier_wait(q_bar)
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], qin_smem, q_bar)
+                plgpu.barrier_wait(q_bar)
+                make_ring_query(qin_smem, qf_smem, q_smem, g=q_ring_t.shape[2],
+                                rscale=make_query[1])  # fmt: skip
             m, l_acc, o = ring_walk(q_smem, p_smem, k_ref.at[bi, hi], v_ref.at[bi, hi],
                                     (quantized_of(nq_ref[bi], nq_of), len_ref[bi]), (ci,),
                                     slots=k_res.shape[2])  # fmt: skip
@@ -243,8 +268,18 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
                          t_smem=t_smem, bad=bad)  # fmt: skip
         plgpu.wait_smem_to_gmem(0)
 
+    if make_query is None:
+        q_shape, make_scratch = (q_ring_t.shape[2:] if has_ring else None), []
+    else:
+        if make_query[0] not in ("pair", "bf16") or q_ring_t.dtype not in KERNEL_QUERY_DTYPES:
+            raise ValueError(f"make_query={make_query!r} must name 'pair' or 'bf16', and the "
+                             f"query be a float: {q_ring_t.dtype=}")  # fmt: skip
+        q_shape = (2, d, NPAD) if make_query[0] == "pair" else (d, NPAD)
+        # the query as read ([g, D]), then ``ring_query``'s f32 before its rounding
+        make_scratch = [plgpu.SMEM(q_ring_t.shape[2:], q_ring_t.dtype),
+                        plgpu.SMEM((d, NPAD), f32)]  # fmt: skip
     ring_scratch = [
-        plgpu.SMEM(q_ring_t.shape[2:], k_res.dtype, transforms=b_tr),
+        plgpu.SMEM(q_shape, k_res.dtype, transforms=b_tr),
         plgpu.SMEM((TILE, NPAD), k_res.dtype, transforms=b_tr),
         plgpu.Barrier(num_arrivals=1),
     ] if has_ring else []  # fmt: skip
@@ -258,7 +293,12 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
         # its name in profiles and ncu -k
         kernel_name="oscar_decode_int2_ring_merge" if has_ring else "oscar_decode_split_merge",
         out_type=out_type,
-        scratch_types=[plgpu.SMEM((TILE, NPAD), f32), *ring_scratch, *final_scratch],
+        scratch_types=[
+            plgpu.SMEM((TILE, NPAD), f32),
+            *ring_scratch,
+            *final_scratch,
+            *(make_scratch if has_ring else []),
+        ],
         grid=(b, h, nmt),
         grid_names=("b", "h", "c"),
         compiler_params=plgpu.CompilerParams(
@@ -278,7 +318,8 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
                                   nq_of=None):  # fmt: skip
     """As ``int2_decode_attention`` (no value un-rotation: the cache's values must be stored
     in the original basis or the rotation folded into W_V / W_O), with the merge in a second
-    Mosaic GPU launch: q prep (XLA) + partials kernel + merge kernel. The ring: walked by
+    Mosaic GPU launch: q prep (XLA or, ``cfg.prep``, the kernels) + partials kernel + merge
+    kernel. The ring: walked by
     the merge launch (before the splits), or with ``ring_in_kernel`` by one more split of
     the partials kernel (its bytes stream in the big launch; the merge launch then only
     merges the splits). The merge launch writes the
@@ -289,22 +330,30 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     ``nq_of`` (the cache's ``KVQuantConfig``): nq is the lengths, and the kernels compute
     the rows' nq themselves (``_config.quantized_of``; ``Int2DecodeConfig.prep``)."""
     b, h, g, d = q.shape
-    # the warp kernel's ring split makes the ring's query itself (from the unrotated query
-    # it reads) where asked; the merge launch's ring walk takes it from XLA
-    in_kernel = (cfg.prep == "kernel" and ring_in_kernel and cfg.kernel == "warp"
-                 and signs is not None)  # fmt: skip
+    # prep="kernel": the kernel that walks the ring makes its query from the query in the
+    # original basis: the warp kernel's ring split where it reads that query (it rotates
+    # it itself), the merge launch always
+    if ring_in_kernel:
+        in_kernel = (cfg.prep == "kernel" and cfg.kernel == "warp"
+                     and signs is not None)  # fmt: skip
+    else:
+        in_kernel = cfg.prep == "kernel"
     ring = ring_inputs(q, k_res, v_res, lengths, softmax_scale, cfg.ring_query,
                        query=not in_kernel)  # fmt: skip
     acc, ml = _partials_raw(q if signs is not None else q_rot, rec, kn, nq, cfg=cfg,
                             softmax_scale=softmax_scale, param_dtype=param_dtype,
                             ring=ring if ring_in_kernel else None, signs=signs,
                             nq_of=nq_of)  # fmt: skip
+    make_query = None
+    if in_kernel and not ring_in_kernel:
+        ring = (kernel_query(q), *ring[1:])
+        make_query = (cfg.ring_query, query_scale(softmax_scale, d))
     merge_ring = (None,) * 5 if ring_in_kernel else (*ring[:3], nq, ring[3])
     step = merge_step_for(cfg.merge_step, acc.shape[2])
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
-                           final=final, stages=cfg.merge_stages,
-                           nq_of=nq_of)  # fmt: skip
+                           final=final, stages=cfg.merge_stages, nq_of=nq_of,
+                           make_query=make_query)  # fmt: skip
 
 
 def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,

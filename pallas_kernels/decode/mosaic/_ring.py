@@ -54,6 +54,70 @@ def ring_dtype(k_res):
     return k_res.dtype if k_res.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
 
 
+def make_ring_query(src_smem, f32_smem, dst_smem, *, g: int, rscale: float):
+    """Inside a Mosaic kernel (one warpgroup): dst_smem <- this row's ``ring_query`` (dst
+    [D, NPAD]) or ``ring_query_pair`` (dst [2, D, NPAD]) in dst's 16-bit dtype, made from
+    src_smem [g, D] (the row's query as the kernel reads it: original basis, any float
+    dtype) through f32_smem [D, NPAD] f32 scratch, so no XLA launch builds it
+    (``Int2DecodeConfig.prep="kernel"``). ``rscale``: ``_config.query_scale``. Rounds to
+    nearest even as ``quant.round_to_dtype``; ends with the stores fenced for wgmma."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(_scaled_transpose(g, rscale))(
+        src_smem, f32_smem
+    )
+    x = plgpu.load(f32_smem, layout=plgpu.Layout.WGMMA)  # [D, NPAD] f32
+    xh = x.astype(dst_smem.dtype)
+    if len(dst_smem.shape) == 3:  # the pair: the rest rounded again
+        dst_smem.at[0][...] = xh
+        dst_smem.at[1][...] = (x - xh.astype(jnp.float32)).astype(dst_smem.dtype)
+    else:
+        dst_smem[...] = xh
+    plgpu.commit_smem()  # the stores visible to the wgmma (async proxy)
+
+
+def _scaled_transpose(g: int, rscale: float):
+    """The inline_mgpu body of ``make_ring_query``: dst_ref [D, NPAD] f32 <- (src_ref [g, D]
+    times ``rscale``)^T, the heads past g zero; one element a thread a pass, then a
+    warpgroup barrier."""
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import arith, vector
+    from jax.experimental.mosaic.gpu import utils as mu
+
+    def c32(v):
+        i32 = ir.IntegerType.get_signless(32)
+        return arith.constant(i32, ir.IntegerAttr.get(i32, v))
+
+    def idx(v):
+        return arith.index_cast(ir.IndexType.get(), v)
+
+    def body(ctx, src_ref, dst_ref):
+        del ctx
+        f32 = ir.F32Type.get()  # (inside the kernel's MLIR context)
+        d = ir.MemRefType(src_ref.type).shape[1]
+        et = ir.MemRefType(src_ref.type).element_type
+        tid = arith.remui(mu.thread_idx(), c32(128))
+        scale = arith.constant(f32, ir.FloatAttr.get(f32, rscale))
+        zero = arith.constant(f32, ir.FloatAttr.get(f32, 0.0))
+        count = d * NPAD
+        if count % 128:
+            raise ValueError(f"the ring's query is made 128 elements a pass: {d=} x {NPAD}")
+        for k in range(-(-count // 128)):
+            e = arith.addi(tid, c32(128 * k))
+            col, head = arith.divui(e, c32(NPAD)), arith.remui(e, c32(NPAD))
+            row = arith.minui(head, c32(g - 1))
+            v = vector.extract(vector.load(ir.VectorType.get((1,), et), src_ref,
+                                           [idx(row), idx(col)]), [], [0])  # fmt: skip
+            v = arith.mulf(v if et == f32 else arith.extf(f32, v), scale)
+            v = arith.select(arith.cmpi(arith.CmpIPredicate.ult, head, c32(g)), v, zero)
+            vector.store(vector.broadcast(ir.VectorType.get((1,), f32), v), dst_ref,
+                         [idx(col), idx(head)])  # fmt: skip
+        mu.warpgroup_barrier()  # the pass's stores visible to the WGMMA-layout load
+        return None
+
+    return body
+
+
 def ring_walk(q_smem, p_smem, k_ref, v_ref, rows, blocks, *, slots: int):
     """Online softmax of the ring against the query in ``q_smem`` [D, NPAD] (``ring_query``)
     or [2, D, NPAD] (``ring_query_pair``: the scores K hi + K lo, two wgmma into one

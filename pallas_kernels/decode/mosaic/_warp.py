@@ -37,10 +37,16 @@ from oscar_jax.record import (
     record_format,
     value_code_word,
 )
-from pallas_kernels.decode.mosaic._config import NPAD, Int2DecodeConfig, quantized_of, query_scale
+from pallas_kernels.decode.mosaic._config import (
+    NPAD,
+    Int2DecodeConfig,
+    kernel_query,
+    quantized_of,
+    query_scale,
+)
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
 from pallas_kernels.decode.mosaic._output import store_output
-from pallas_kernels.decode.mosaic._ring import ring_walk
+from pallas_kernels.decode.mosaic._ring import make_ring_query, ring_walk
 
 NW = 8  # the mma's N: query heads a KV head (g <= 8)
 NEG = -1e30
@@ -136,10 +142,9 @@ def sign_words(signs) -> tuple[int, ...]:
 
 def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: str = "",
               g: int = NW, qscale: float = 1.0, rotate: bool = False,
-              signs: tuple[int, ...] = (), rscale: float = 1.0):  # fmt: skip
+              signs: tuple[int, ...] = ()):  # fmt: skip
     """inline_mgpu bodies: ``prep_q`` (the query converted to f32 in shared memory, with
-    ``rotate`` its Walsh-Hadamard rotation, ``signs`` the ``sign_words``), ``ring_q`` (the
-    ring's query, times ``rscale``, transposed and padded), ``load_q`` (the
+    ``rotate`` its Walsh-Hadamard rotation, ``signs`` the ``sign_words``), ``load_q`` (the
     query's B fragments into registers), ``step`` (one block of ``nsub`` records into the
     carry) and ``finish`` (the 4 warps' carries merged into the CTA's partials in shared
     memory)."""
@@ -358,21 +363,6 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
             h *= 2
         return None
 
-    def ring_q(ctx, src_ref, dst_ref):
-        """The ring's query before its rounding (``_ring.ring_query`` in f32): dst_ref [D,
-        NPAD] f32 <- (src_ref [g, D] times ``rscale``)^T, the heads past g zero. src_ref is
-        the query as the kernel reads it (original basis, any float dtype)."""
-        del ctx
-
-        def put(e):
-            col, head = arith.divui(e, c32(NPAD)), arith.remui(e, c32(NPAD))
-            v = arith.mulf(ld(src_ref, arith.minui(head, c32(g - 1)), col), cf(rscale))
-            live = arith.cmpi(arith.CmpIPredicate.ult, head, c32(g))
-            st(dst_ref, arith.select(live, v, cf(0.0)), col, head)
-
-        over(d * NPAD, put)
-        return None
-
     def load_q(ctx, q_ref):
         """This lane's B fragment words of the query (loop-invariant registers), built from
         q_ref [g, D] f32 (the rotated query as it is): times ``qscale``, rounded to the
@@ -574,7 +564,7 @@ def _warp_fns(pdt, d: int, nsub: int, bits: int = 2, fold: str = "none", probe: 
                 mu.warpgroup_barrier()
         return None
 
-    return prep_q, ring_q, load_q, step, finish
+    return prep_q, load_q, step, finish
 
 
 def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_scale=None,
@@ -624,8 +614,7 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     pdt = jnp.dtype(param_dtype)
     # the kernel scales, rounds and pairs the query itself (``load_q``), and converts (and
     # rotates) a 16-bit one (``prep_q``): no XLA launch before it
-    qin = q_rot if q_rot.dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else q_rot.astype(
-        jnp.float32)  # [B, H, g, D]  # fmt: skip
+    qin = kernel_query(q_rot)  # [B, H, g, D]
     prep = signs is not None or qin.dtype != jnp.float32
     nw = query_words(d, cfg.fold)
     probe = cfg.stage.removeprefix("probe_") if cfg.stage.startswith("probe_") else ""
@@ -641,9 +630,9 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     if ring_qk and signs is None:
         raise ValueError("the ring's query is made in the kernel only where the kernel "
                          "rotates the query itself (signs given): ring[0] is None")  # fmt: skip
-    prep_q, ring_q, load_q, step, finish = _warp_fns(
+    prep_q, load_q, step, finish = _warp_fns(
         pdt, d, nsub, bits, cfg.fold, probe, g=g, qscale=qscale, rotate=signs is not None,
-        signs=words_s, rscale=query_scale(softmax_scale, d))  # fmt: skip
+        signs=words_s)  # fmt: skip
     f32 = jnp.float32
     ST = plgpu.Layout.WG_STRIDED
     lay2, layo, layi = ST((256,), 1), ST((128 * d // 4,), 1), ST((128,), 1)
@@ -682,18 +671,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
                     if not query_in_smem:
                         plgpu.copy_gmem_to_smem(q_ref.at[bi, hi], qin_smem, qr_bar)
                         plgpu.barrier_wait(qr_bar)
-                    plgpu.inline_mgpu(arg_types=(plgpu.RefType(),) * 2)(ring_q)(qin_smem,
-                                                                               rq_smem)  # fmt: skip
-                    # as ``_ring.ring_query`` / ``ring_query_pair``: rounded to the ring's
-                    # dtype, with the pair the rest rounded again
-                    x = plgpu.load(rq_smem, layout=plgpu.Layout.WGMMA)  # [D, NPAD] f32
-                    xh = x.astype(qr_smem.dtype)
-                    if len(qr_smem.shape) == 3:
-                        qr_smem.at[0][...] = xh
-                        qr_smem.at[1][...] = (x - xh.astype(f32)).astype(qr_smem.dtype)
-                    else:
-                        qr_smem[...] = xh
-                    plgpu.commit_smem()  # the stores visible to the wgmma (async proxy)
+                    make_ring_query(qin_smem, rq_smem, qr_smem, g=g,
+                                    rscale=query_scale(softmax_scale, d))  # fmt: skip
             return ring_walk(qr_smem, pr_smem, kr_ref.at[bi, hi], vr_ref.at[bi, hi],
                              (quantized_of(nq_ref[bi], nq_of), len_ref[bi]), range(nmt),
                              slots=ring[1].shape[2])  # fmt: skip
