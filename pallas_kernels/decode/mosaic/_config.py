@@ -77,8 +77,8 @@ class Int2DecodeConfig:
       step count balanced, ``merge_step_for``).
     merge_stages: the merge launch's pipeline depth over the splits (steps in flight a CTA);
       None: as many as fit 150 KB of shared memory, at most 5 (``_merge.MERGE_AUTO_BYTES``).
-      At 1 x 128K its 16 CTAs each stream ~135 KB of partials latency-bound (~34 GB/s a
-      CTA, 2 steps in flight), so all 5 steps of 7 splits (~29 KB a stage) go in flight.
+      At 1 x 128K its 16 CTAs each stream ~135 KB of partials, all 5 steps of 7 splits
+      (~29 KB a stage) in flight; on an H100 that timed level with 2 steps (within ~1 us).
     reduction_scratch: shared-memory bytes Mosaic reserves for cross-warp reductions (the
       softmax max of a block).
     overlap_keys: issue the key wgmma of all subtiles of a block before waiting, so the
