@@ -102,7 +102,7 @@ def _scaled_transpose(g: int, rscale: float):
         count = d * NPAD
         if count % 128:
             raise ValueError(f"the ring's query is made 128 elements a pass: {d=} x {NPAD}")
-        for k in range(-(-count // 128)):
+        for k in range(count // 128):
             e = arith.addi(tid, c32(128 * k))
             col, head = arith.divui(e, c32(NPAD)), arith.remui(e, c32(NPAD))
             row = arith.minui(head, c32(g - 1))
