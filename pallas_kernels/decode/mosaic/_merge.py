@@ -28,7 +28,7 @@ from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 # left to the ring's scratch and the output's)
 MERGE_SMEM_BYTES = 180 * 1024
 # merge_stages=None: as many steps in flight as fit this much shared memory, at most
-# MERGE_AUTO_STAGES (the split merge streams its partials latency-bound: 16 CTAs at 1 x 128K)
+# MERGE_AUTO_STAGES (16 CTAs stream the splits at 1 x 128K; on an H100 as fast as 2 steps)
 MERGE_AUTO_BYTES = 150 * 1024
 MERGE_AUTO_STAGES = 5
 
