@@ -28,7 +28,7 @@ from models import layers
 from models import sharding as msh
 from models.config import ModelConfig, llama31_8b, qwen3_8b
 from oscar_jax import sharding as osh
-from pallas_kernels.decode.mosaic import decode_attention_mosaic
+from pallas_kernels.decode.mosaic import decode_attention_mosaic, default_config
 
 GiB = 1024**3
 MODELS = {"llama31_8b": llama31_8b, "qwen3_8b": qwen3_8b}
@@ -116,6 +116,16 @@ def _mosaic_ring_split(q, cache, *, softmax_scale=None, **options):
     return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale, merge="fused_mosaic")
 
 
+def _mosaic_pdl(q, cache, *, softmax_scale=None, **options):
+    """The "mosaic" backend's default call with programmatic dependent launch
+    (``Int2DecodeConfig.pdl``): each launch waits on the one before it in the kernel."""
+    cfg = default_config(cache.quant_capacity, cache.cfg.bits, cache.head_dim,
+                         q.shape[1] // cache.num_kv_heads,
+                         rows=cache.batch * cache.num_kv_heads)  # fmt: skip
+    return decode_attention_mosaic(q, cache, softmax_scale=softmax_scale,
+                                   cfg=dataclasses.replace(cfg, pdl=True))  # fmt: skip
+
+
 # attention baselines of the benchmarks, passed to the library as callables
 BASELINES = {
     "bench_skip": _skip_attention,
@@ -123,6 +133,7 @@ BASELINES = {
     "mosaic2": _mosaic_two_launches,
     "mosaic_rs": _mosaic_ring_split,
     "mosaic_x": _mosaic_xla_merge,
+    "mosaic_pdl": _mosaic_pdl,
 }
 
 

@@ -185,18 +185,22 @@ def test_e2e_resume_keeps_done_units(runs, tmp_path):
 
 
 def test_cache_specs_pick_layout_by_implementation():
-    """Both Mosaic entries ("mosaic": XLA merge, "mosaic2": the second launch) read a record
-    cache; the others a planar one; an unknown cache name is a ValueError."""
+    """The Mosaic entries ("mosaic": the backend's call, "mosaic2": the second launch,
+    "mosaic_pdl": programmatic dependent launch) read a record cache; the others a planar
+    one; an unknown cache name is a ValueError."""
     from benchmarks import e2e_common as ec
 
-    specs = ec.parse_caches("bf16,oscar2:mosaic,oscar2:mosaic2,oscar4", "triton")
+    specs = ec.parse_caches("bf16,oscar2:mosaic,oscar2:mosaic2,oscar2:mosaic_pdl,oscar4",
+                            "triton")  # fmt: skip
     assert [(s.label, s.kv.layout) for s in specs] == [
         ("bf16:triton", "planar"),
         ("oscar2:mosaic", "record"),
         ("oscar2:mosaic2", "record"),
+        ("oscar2:mosaic_pdl", "record"),
         ("oscar4:triton", "planar"),
     ]
     assert ec.attention_impl("mosaic2") is ec.BASELINES["mosaic2"]
+    assert ec.attention_impl("mosaic_pdl") is ec.BASELINES["mosaic_pdl"]
     assert ec.attention_impl("triton") == "triton"
     with pytest.raises(ValueError, match="cache="):
         ec.parse_caches("kivi2", "xla")

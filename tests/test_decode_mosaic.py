@@ -610,10 +610,11 @@ def lowering_stack(monkeypatch):
 
 @pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("final", [None, jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("splits,merge_step,stages", [
-    (1, 8, None), (5, 2, None), (33, 8, None), (12, 8, None), (33, 8, 5), (12, 4, 2),
+@pytest.mark.parametrize("splits,merge_step,stages,pdl", [
+    (1, 8, None, False), (5, 2, None, False), (33, 8, None, False), (12, 8, None, False),
+    (33, 8, 5, False), (12, 4, 2, False), (12, 8, None, True),
 ])  # fmt: skip
-def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, final):
+def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, pdl, final):
     """The merge launch without a ring (``merge="fused_mosaic"``'s second launch) lowers for
     sm_90 and, run by Mosaic's GPU interpreter on the CPU, equals the LSE merge in XLA: the
     steps of ``merge_step_for`` (the last one past the split count), an empty split, and
@@ -621,7 +622,9 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, fin
     past the split count as zeros, as TMA does. ``final``: the output written by the
     kernel as the library returns it ([B, H, g, D] in that dtype, g = 5 of 16 padded
     heads), a row whose flags carry the poison bit all NaN, the others untouched.
-    ``stages``: the pipeline depth (``merge_stages``; 5 at 33 splits: every step in flight)."""
+    ``stages``: the pipeline depth (``merge_stages``; 5 at 33 splits: every step in flight).
+    ``pdl``: the kernel waits on the launch before it (lowered; the interpreter leaves the
+    wait out, ``_pdl``)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rng = np.random.default_rng(splits)
@@ -639,8 +642,10 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, fin
     flags = jnp.array([poison | 1, 2], jnp.int32)  # row 0 poisoned, row 1 another flag only
     fin = None if final is None else (g, jnp.dtype(final), flags, poison)
     fn = jax.jit(lambda a, x: mk.int2_merge_ring(a, x, None, None, None, None, None, step=step,
-                                                 final=fin, stages=stages))  # fmt: skip
-    fn.trace(acc, ml).lower(lowering_platforms=("cuda",))
+                                                 final=fin, stages=stages,
+                                                 pdl=pdl))  # fmt: skip
+    hlo = fn.trace(acc, ml).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("griddepcontrol.wait" in hlo) == pdl
     with plgpu.force_gpu_interpret_mode():
         got = fn(acc, ml)  # [B, H, D / 64, 64, NPAD]: out^T (final: [B, H, g, D])
     a = jnp.swapaxes(acc.reshape(b, h, splits, d, mk.NPAD), -1, -2)
@@ -921,6 +926,43 @@ def test_default_config_fits_the_stages_in_shared_memory():
         (2, 320): (256, 2), (2, 384): (128, 3), (2, 512): (256, 2),
         (4, 320): (256, 2), (4, 384): (256, 2), (4, 512): (256, 2),
     }  # fmt: skip
+
+
+def _mosaic_launches(hlo: str) -> list[str]:
+    """The serialized Mosaic module of each Mosaic GPU custom call in lowered text."""
+    return hlo.split("custom_call @mosaic_gpu_v2")[1:]
+
+
+@pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("merge,kernel,launches", [
+    ("fused_mosaic", "warp", 2), ("mosaic", "warp", 2), ("mosaic", "wgmma", 2),
+    ("single", "warp", 1), ("xla", "warp", 1),
+])  # fmt: skip
+def test_pdl_marks_every_launch_of_the_call(merge, kernel, launches):
+    """``pdl=True``: every Mosaic launch of the call waits on the one before it in the kernel
+    (``griddepcontrol.wait``), which also makes Mosaic launch it with programmatic stream
+    serialization (``mosaic_gpu.uses_pdl``), and the partials kernels release the next
+    launch (``griddepcontrol.launch_dependents``); the merge launches release nothing. With
+    ``pdl=False`` (the default) none of the three is in any launch."""
+    c = _cache(3, 2, [600, 130], rotate_values=False, layout="record")
+    assert mk.Int2DecodeConfig().pdl is False
+    for pdl in (False, True):
+        cfg = mk.Int2DecodeConfig(kernel=kernel, block_tokens=64, pdl=pdl)
+        fn = jax.jit(functools.partial(mk.decode_attention_mosaic, merge=merge, cfg=cfg))
+        hlo = fn.trace(query(3, 2, 8, D), c).lower(lowering_platforms=("cuda",)).as_text()
+        mods = _mosaic_launches(hlo)
+        assert len(mods) == launches, (merge, kernel, len(mods))
+        for mod in mods:
+            merging = "_merge" in mod
+            assert ("mosaic_gpu.uses_pdl" in mod) == pdl
+            assert ("griddepcontrol.wait" in mod) == pdl
+            assert ("griddepcontrol.launch_dependents" in mod) == (pdl and not merging)
+        assert sum("_merge" in m for m in mods) == launches - 1
+
+
+def test_pdl_is_validated():
+    with pytest.raises(ValueError, match="pdl='yes' must be a bool"):
+        mk.Int2DecodeConfig(pdl="yes")
 
 
 @pytest.mark.usefixtures("lowering_stack")
@@ -1207,6 +1249,41 @@ class TestMosaicGPU:
         want = oj.decode_attention(q, c, implementation="xla")
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
+
+    @pytest.mark.parametrize("merge,kernel,lengths", [
+        ("fused_mosaic", "warp", [70000, 0, 333]), ("mosaic", "warp", [9000, 150, 40000]),
+        ("mosaic", "wgmma", [30000, 2500]), ("single", "warp", [5000] * 40),
+        ("xla", "warp", [65000, 3]),
+    ])  # fmt: skip
+    def test_pdl_changes_no_bit(self, merge, kernel, lengths):
+        """``pdl=True`` compiled: four calls chained in one program, each one's query the
+        previous one's output scaled by an XLA op, so every partials launch reads what the
+        launch (or fusion) just before it wrote and a wait in the wrong place would read
+        stale data; equal bit for bit to ``pdl=False``, whose first call is the reference's."""
+        b = len(lengths)
+        c = _cache(13, b, lengths, max_len=max(lengths) + 512, rotate_values=False,
+                   layout="record")  # fmt: skip
+        q0 = query(14, b, 8, D, jnp.bfloat16)
+
+        def chain(pdl):
+            cfg = dataclasses.replace(
+                mk.default_config(c.quant_capacity, 2, D, 4, rows=b * c.num_kv_heads),
+                kernel=kernel, pdl=pdl)  # fmt: skip
+
+            def run(q, c):
+                outs = []
+                for _ in range(4):
+                    q = mk.decode_attention_mosaic(q, c, cfg=cfg, merge=merge) * 3.0
+                    outs.append(q)
+                return jnp.stack(outs)
+
+            return np.asarray(jax.jit(run)(q0, c).astype(jnp.float32))
+
+        got, want = chain(True), chain(False)
+        np.testing.assert_array_equal(got, want)
+        ref = oj.decode_attention(q0, c, implementation="xla").astype(jnp.float32) * 3.0
+        err = float(jnp.max(jnp.abs(want[0] - ref)))
+        assert err <= tol("bfloat16")["max_rel"] * float(jnp.max(jnp.abs(ref))), err
 
     @pytest.mark.parametrize("merge,knobs", [
         ("fused_mosaic", dict(kernel="warp")), ("mosaic", dict()),

@@ -108,6 +108,12 @@ class Int2DecodeConfig:
       where it rotates the query itself (Hadamard rotations); the wgmma kernel's ring split
       takes XLA's) or "xla" (fusions before the launch: the ring's query, ~1.4 us at
       1 x 128K on the H100, and the rows' quantized token counts nq).
+    pdl: programmatic dependent launch (``_pdl``): each Mosaic launch of the call waits for
+      the launch before it inside the kernel (``griddepcontrol.wait``, before any global
+      access) instead of in the stream, and the partials kernel releases the merge launch
+      as soon as all of its own CTAs run, so a launch's start and prologue overlap the
+      previous one's tail. Off until timed on a GPU. CUPTI's per-kernel durations count a
+      dependent launch's wait as its own time: compare chained calls or spans, not sums.
     """
 
     block_tokens: int = 256
@@ -128,6 +134,7 @@ class Int2DecodeConfig:
     profile_dir: str = ""
     ring_query: str = "pair"
     prep: str = "kernel"
+    pdl: bool = False
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -157,6 +164,8 @@ class Int2DecodeConfig:
             raise ValueError(f"prep={self.prep!r} must be 'xla' or 'kernel'")
         if self.ring_query not in ("bf16", "pair"):
             raise ValueError(f"ring_query={self.ring_query!r} must be 'bf16' or 'pair'")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"pdl={self.pdl!r} must be a bool")
         if self.unpack not in ("shift", "lop", "lop3"):
             raise ValueError(f"unpack={self.unpack!r} must be 'shift', 'lop' or 'lop3'")
 

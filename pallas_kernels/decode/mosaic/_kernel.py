@@ -15,6 +15,7 @@ from pallas_kernels.decode.mosaic._config import (
     quantized_of,
 )
 from pallas_kernels.decode.mosaic._dequant import _dequant_fns
+from pallas_kernels.decode.mosaic._pdl import release_next_launch, wait_for_previous_launch
 from pallas_kernels.decode.mosaic._ring import ring_query, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
@@ -84,6 +85,8 @@ def _partials_raw(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig = Int2DecodeConfi
     stage = "full" if cfg.stage == "nofma" else cfg.stage
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
+        wait_for_previous_launch(cfg.pdl)
+        release_next_launch(cfg.pdl)
         if ring is None:
             acc_out, ml_out, q_smem, p_smem, o_smem, ml_smem, q_bar = refs
         else:

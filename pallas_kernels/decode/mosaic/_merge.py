@@ -21,6 +21,7 @@ from pallas_kernels.decode.mosaic._config import (
 )
 from pallas_kernels.decode.mosaic._kernel import _partials_raw, int2_decode_partials
 from pallas_kernels.decode.mosaic._output import store_output
+from pallas_kernels.decode.mosaic._pdl import wait_for_previous_launch
 from pallas_kernels.decode.mosaic._ring import make_ring_query, ring_inputs, ring_walk
 from pallas_kernels.decode.mosaic._warp import warp_decode_partials
 
@@ -133,8 +134,8 @@ def merge_step_for(merge_step: int, splits: int) -> int:
 
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barriers=True,
-                    step=1, final=None, stages=None, nq_of=None,
-                    make_query=None):  # fmt: skip
+                    step=1, final=None, stages=None, nq_of=None, make_query=None,
+                    pdl=False):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
@@ -153,6 +154,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     (``_config.quantized_of``).
     ``stages``: the splits' pipeline depth, steps in flight (None: as many as fit
     ``MERGE_AUTO_BYTES``, at most ``MERGE_AUTO_STAGES``; ``Int2DecodeConfig.merge_stages``).
+    ``pdl``: wait for the partials launch in the kernel (``_pdl``; ``Int2DecodeConfig.pdl``).
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
     with ``final=(g, dtype, flags, poison)`` the output in the library's layout instead, [B, H, g,
     D] in ``dtype`` (the first g heads), NaN for a row whose int32 ``flags`` [B] have
@@ -187,6 +189,7 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     has_flags = final is not None and flags is not None
 
     def kernel(acc_ref, ml_ref, *refs):
+        wait_for_previous_launch(pdl)
         flags_ref = refs[0] if has_flags else None
         refs = refs[1:] if has_flags else refs
         if has_ring and make_query is not None:
@@ -353,7 +356,7 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
                            final=final, stages=cfg.merge_stages, nq_of=nq_of,
-                           make_query=make_query)  # fmt: skip
+                           make_query=make_query, pdl=cfg.pdl)  # fmt: skip
 
 
 def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,

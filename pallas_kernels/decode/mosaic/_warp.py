@@ -46,6 +46,7 @@ from pallas_kernels.decode.mosaic._config import (
 )
 from pallas_kernels.decode.mosaic._dequant import dequant_ns, plane_plan, raw_magic
 from pallas_kernels.decode.mosaic._output import store_output
+from pallas_kernels.decode.mosaic._pdl import release_next_launch, wait_for_previous_launch
 from pallas_kernels.decode.mosaic._ring import make_ring_query, ring_walk
 
 NW = 8  # the mma's N: query heads a KV head (g <= 8)
@@ -639,6 +640,8 @@ def warp_decode_partials(q_rot, rec, kn, nq, *, cfg: Int2DecodeConfig, softmax_s
     layq = ST((128 * nw,), 1)
 
     def kernel(q_ref, rec_ref, kn_ref, nq_ref, *refs):
+        wait_for_previous_launch(cfg.pdl)
+        release_next_launch(cfg.pdl)
         qin_smem = rq_smem = None
         if ring_qk:
             *refs, rq_smem = refs
