@@ -25,6 +25,9 @@ usage: python3 -m benchmarks.bench_mosaic SHAPE[,SHAPE..] VARIANT[;VARIANT..]
   SHAPE = BxL (e.g. 1x131072); VARIANT = comma list of k=v for Int2DecodeConfig over the
   backend's default_config for the shape: capacity L, B x 8 rows, e.g.
   "stage=stream;block_tokens=256,waves=4" or "ring_query=pair".
+  A "pdl=true" variant's sums mislead: CUPTI counts the time a dependent launch waits in
+  the kernel (``griddepcontrol.wait``) as its own; time it with ``bench_decode``'s chained
+  calls (``--mosaic-variants '[{"pdl": true}]'``).
 """
 
 import dataclasses
