@@ -99,9 +99,13 @@ def med(f, *args, iters=ITERS, detail=False, flush=False):
 
 def parse_variant(s):
     kw = {}
+    flags = {f.name for f in dataclasses.fields(K.Int2DecodeConfig) if f.type in ("bool", bool)}
     for item in filter(None, s.split(",")):
         k, v = item.split("=")
-        kw[k] = v if k in ("stage", "unpack", "kernel", "fold", "ring_query", "prep") else int(v)
+        if k in ("stage", "unpack", "kernel", "fold", "ring_query", "prep"):
+            kw[k] = v
+        else:  # "pdl=1" / "pdl=true" for the bool fields
+            kw[k] = v.lower() in ("1", "true") if k in flags else int(v)
     return kw  # "bits" (2 or 4) picks the cache; the rest are Int2DecodeConfig fields
 
 

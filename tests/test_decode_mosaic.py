@@ -663,6 +663,44 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, pdl
 
 
 @pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("splits,merge_step,final", [
+    (33, 8, jnp.bfloat16), (1, 8, jnp.float32), (12, 3, jnp.float16),
+])  # fmt: skip
+def test_split_merge_of_8_columns_equals_16(splits, merge_step, final):
+    """``merge_columns=8``: the split merge reads heads 0-7 of the partials only (half the
+    bytes; the step made even, so every (m, l) slot stays 128-byte aligned, which the
+    fixture checks). Lowered for sm_90 and, interpreted, bit-equal to the 16-column merge
+    on the g = 5 heads stored; a poisoned row NaN."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(100 + splits)
+    b, h, d, g, poison = 2, 3, 128, 5, 4
+    acc = jnp.asarray(rng.normal(size=(b, h, splits, d // 64, 64, mk.NPAD)), jnp.float32)
+    m = rng.normal(size=(b, h, splits, mk.NPAD)) * 4 - 200
+    lsum = np.abs(rng.normal(size=(b, h, splits, mk.NPAD))) + 0.1
+    m[1, 2], lsum[1, 2] = -1e30, 0.0  # no token at all
+    ml = jnp.asarray(np.stack([m, lsum], axis=3), jnp.float32)
+    flags = jnp.array([poison, 0], jnp.int32)
+    step = mk.merge_step_for(merge_step, splits)
+
+    def merge(columns, step):
+        fin = (g, jnp.dtype(final), flags, poison)
+        return jax.jit(lambda a, x: mk.int2_merge_ring(a, x, *(None,) * 5, step=step, final=fin,
+                                                       columns=columns))  # fmt: skip
+
+    even = step + step % 2
+    merge(8, even).trace(acc, ml).lower(lowering_platforms=("cuda",))
+    with plgpu.force_gpu_interpret_mode():
+        got, want = merge(8, even)(acc, ml), merge(mk.NPAD, step)(acc, ml)
+    assert np.all(np.isnan(np.asarray(got[0], np.float32)))
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+    with pytest.raises(ValueError, match="merge_columns=8 must be 16, or 8"):
+        jax.eval_shape(merge(8, 3), acc, ml)  # an odd step
+    with pytest.raises(ValueError, match="merge_columns=4 must be 8 or 16"):
+        mk.Int2DecodeConfig(merge_columns=4)
+
+
+@pytest.mark.usefixtures("lowering_stack")
 @pytest.mark.parametrize("block,g,stage,bits,d", [
     (256, 4, "full", 2, 128), (128, 7, "full", 2, 128), (256, 4, "keys", 2, 128),
     (256, 4, "full", 4, 128), (64, 3, "full", 4, 128), (128, 4, "dequant", 4, 128),
@@ -960,6 +998,20 @@ def test_pdl_marks_every_launch_of_the_call(merge, kernel, launches):
         assert sum("_merge" in m for m in mods) == launches - 1
 
 
+@pytest.mark.usefixtures("lowering_stack")
+@pytest.mark.parametrize("merge,splits", [("fused_mosaic", None), ("fused_mosaic", 6),
+                                          ("mosaic", None)])  # fmt: skip
+def test_merge_columns_8_lowers_through_the_backend(merge, splits):
+    """``merge_columns=8`` through the backend's call: the split merge after the ring split
+    reads 8 columns with its step made even (6 splits + the ring's: 7, read 8 a step; the fixture
+    checks every slot's TMA alignment); the merge that walks the ring reads all 16."""
+    c = _cache(3, 2, [1900, 130], max_len=2048 + 160, rotate_values=False, layout="record")
+    cfg = mk.Int2DecodeConfig(kernel="warp", block_tokens=64, merge_columns=8, splits=splits)
+    fn = jax.jit(functools.partial(mk.decode_attention_mosaic, merge=merge, cfg=cfg))
+    hlo = fn.trace(query(3, 2, 8, D), c).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(_mosaic_launches(hlo)) == 2
+
+
 def test_pdl_is_validated():
     with pytest.raises(ValueError, match="pdl='yes' must be a bool"):
         mk.Int2DecodeConfig(pdl="yes")
@@ -1250,26 +1302,31 @@ class TestMosaicGPU:
         err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32))))
         assert err <= tol(param_dtype)["max_rel"] * float(jnp.max(jnp.abs(want))), err
 
-    @pytest.mark.parametrize("merge,kernel,lengths", [
-        ("fused_mosaic", "warp", [70000, 0, 333]), ("mosaic", "warp", [9000, 150, 40000]),
-        ("mosaic", "wgmma", [30000, 2500]), ("single", "warp", [5000] * 40),
-        ("xla", "warp", [65000, 3]),
+    @pytest.mark.parametrize("merge,kernel,lengths,knobs", [
+        ("fused_mosaic", "warp", [70000, 0, 333], dict(pdl=True)),
+        ("mosaic", "warp", [9000, 150, 40000], dict(pdl=True)),
+        ("mosaic", "wgmma", [30000, 2500], dict(pdl=True)),
+        ("single", "warp", [5000] * 40, dict(pdl=True)),
+        ("xla", "warp", [65000, 3], dict(pdl=True)),
+        ("fused_mosaic", "warp", [70000, 0, 333], dict(merge_columns=8)),
+        ("fused_mosaic", "warp", [20000, 4000, 64], dict(merge_columns=8, pdl=True)),
+        ("mosaic", "warp", [9000, 150], dict(merge_columns=8)),  # the ring's merge: 16 read
     ])  # fmt: skip
-    def test_pdl_changes_no_bit(self, merge, kernel, lengths):
-        """``pdl=True`` compiled: four calls chained in one program, each one's query the
-        previous one's output scaled by an XLA op, so every partials launch reads what the
-        launch (or fusion) just before it wrote and a wait in the wrong place would read
-        stale data; equal bit for bit to ``pdl=False``, whose first call is the reference's."""
+    def test_launch_knobs_change_no_bit(self, merge, kernel, lengths, knobs):
+        """``pdl=True`` and ``merge_columns=8`` compiled: four calls chained in one program,
+        each one's query the previous one's output scaled by an XLA op, so every partials
+        launch reads what the launch (or fusion) just before it wrote and a PDL wait in the
+        wrong place would read stale data; equal bit for bit to the call without the knobs,
+        whose first call is the reference's."""
         b = len(lengths)
         c = _cache(13, b, lengths, max_len=max(lengths) + 512, rotate_values=False,
                    layout="record")  # fmt: skip
         q0 = query(14, b, 8, D, jnp.bfloat16)
+        base = dataclasses.replace(
+            mk.default_config(c.quant_capacity, 2, D, 4, rows=b * c.num_kv_heads), kernel=kernel
+        )
 
-        def chain(pdl):
-            cfg = dataclasses.replace(
-                mk.default_config(c.quant_capacity, 2, D, 4, rows=b * c.num_kv_heads),
-                kernel=kernel, pdl=pdl)  # fmt: skip
-
+        def chain(cfg):
             def run(q, c):
                 outs = []
                 for _ in range(4):
@@ -1279,7 +1336,7 @@ class TestMosaicGPU:
 
             return np.asarray(jax.jit(run)(q0, c).astype(jnp.float32))
 
-        got, want = chain(True), chain(False)
+        got, want = chain(dataclasses.replace(base, **knobs)), chain(base)
         np.testing.assert_array_equal(got, want)
         ref = oj.decode_attention(q0, c, implementation="xla").astype(jnp.float32) * 3.0
         err = float(jnp.max(jnp.abs(want[0] - ref)))

@@ -114,6 +114,10 @@ class Int2DecodeConfig:
       as soon as all of its own CTAs run, so a launch's start and prologue overlap the
       previous one's tail. Off until timed on a GPU. CUPTI's per-kernel durations count a
       dependent launch's wait as its own time: compare chained calls or spans, not sums.
+    merge_columns: query-head columns of the partials the split merge (the second launch
+      after the ring split, ``merge="fused_mosaic"``) reads: 16 (NPAD, all) or 8 (for
+      g <= 8: heads 8-15 are padding, so half the bytes; a merge that walks the ring reads
+      16 whatever this says). Untimed on a GPU, so not the default.
     """
 
     block_tokens: int = 256
@@ -135,6 +139,7 @@ class Int2DecodeConfig:
     ring_query: str = "pair"
     prep: str = "kernel"
     pdl: bool = False
+    merge_columns: int = NPAD
 
     def __post_init__(self):
         if self.block_tokens % TILE or self.block_tokens <= 0:
@@ -164,6 +169,8 @@ class Int2DecodeConfig:
             raise ValueError(f"prep={self.prep!r} must be 'xla' or 'kernel'")
         if self.ring_query not in ("bf16", "pair"):
             raise ValueError(f"ring_query={self.ring_query!r} must be 'bf16' or 'pair'")
+        if self.merge_columns not in (8, NPAD):
+            raise ValueError(f"merge_columns={self.merge_columns} must be 8 or {NPAD}")
         if not isinstance(self.pdl, bool):
             raise ValueError(f"pdl={self.pdl!r} must be a bool")
         if self.unpack not in ("shift", "lop", "lop3"):

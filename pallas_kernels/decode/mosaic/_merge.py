@@ -135,7 +135,7 @@ def merge_step_for(merge_step: int, splits: int) -> int:
 
 def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barriers=True,
                     step=1, final=None, stages=None, nq_of=None, make_query=None,
-                    pdl=False):  # fmt: skip
+                    pdl=False, columns=NPAD):  # fmt: skip
     """Second launch: the full-precision ring and the LSE merge of the split partials.
 
     acc [B, H, S, D / 64, 64, NPAD] f32 and ml [B, H, S, 2, NPAD] f32 (raw outputs of the
@@ -155,6 +155,10 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     ``stages``: the splits' pipeline depth, steps in flight (None: as many as fit
     ``MERGE_AUTO_BYTES``, at most ``MERGE_AUTO_STAGES``; ``Int2DecodeConfig.merge_stages``).
     ``pdl``: wait for the partials launch in the kernel (``_pdl``; ``Int2DecodeConfig.pdl``).
+    ``columns``: query heads of the partials read (``Int2DecodeConfig.merge_columns``): NPAD,
+    or 8 for g <= 8 (half the bytes: the padded heads 8-15 are not read), only without the
+    ring (its wgmma has 16 columns) and with ``final``; ``step`` then even, so that each
+    pipeline slot of (m, l) rows (64 step bytes) stays 128-byte aligned for TMA.
     Returns out^T [B, H, D / 64, 64, NPAD] f32, normalised (0 for a row with no token);
     with ``final=(g, dtype, flags, poison)`` the output in the library's layout instead, [B, H, g,
     D] in ``dtype`` (the first g heads), NaN for a row whose int32 ``flags`` [B] have
@@ -172,8 +176,14 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     b, h, s, nmt, _, _ = acc.shape
     d = nmt * TILE
     has_ring = q_ring_t is not None
+    cols = columns
+    if cols != NPAD and (cols != 8 or has_ring or final is None or final[0] > cols
+                         or step % 2):  # fmt: skip
+        raise ValueError(f"merge_columns={cols} must be {NPAD}, or 8 for a merge without the "
+                         f"ring, with final= of g <= 8 heads and an even step: {has_ring=}, "
+                         f"g={final and final[0]}, {step=}")  # fmt: skip
     nsteps = -(-s // step)
-    slot = step * (TILE + 2) * NPAD * 4  # a step's acc block and its (m, l) rows, f32
+    slot = step * (TILE + 2) * cols * 4  # a step's acc block and its (m, l) rows, f32
     auto = max(1, min(MERGE_AUTO_STAGES, MERGE_AUTO_BYTES // slot))
     depth = min(stages or auto, nsteps)
     if depth * slot > MERGE_SMEM_BYTES:
@@ -224,9 +234,9 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
             # (several CTAs an SM), right with it.
             plgpu.commit_smem()
         else:
-            m = plgpu.layout_cast(jnp.full((NPAD,), -1e30, f32), WG.reduce(0))
-            lsum = plgpu.layout_cast(jnp.zeros((NPAD,), f32), WG.reduce(0))
-            o = plgpu.layout_cast(jnp.zeros((TILE, NPAD), f32), WG)
+            m = plgpu.layout_cast(jnp.full((cols,), -1e30, f32), WG.reduce(0))
+            lsum = plgpu.layout_cast(jnp.zeros((cols,), f32), WG.reduce(0))
+            o = plgpu.layout_cast(jnp.zeros((TILE, cols), f32), WG)
 
         def part_body(idxs, a_smem, ml_smem, carry):
             (it,) = idxs
@@ -240,11 +250,11 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
             for mu in ms:
                 m_new = jnp.maximum(m_new, mu)
             ca = jnp.exp2(m_prev - m_new)
-            ca_b = jax.lax.broadcast_in_dim(ca, (TILE, NPAD), [1])
+            ca_b = jax.lax.broadcast_in_dim(ca, (TILE, cols), [1])
             l_new, o = l_prev * ca, o * ca_b
             for u in range(step):
                 cs = jnp.exp2(ms[u] - m_new)
-                cs_b = jax.lax.broadcast_in_dim(cs, (TILE, NPAD), [1])
+                cs_b = jax.lax.broadcast_in_dim(cs, (TILE, cols), [1])
                 l_new = l_new + ls[u] * cs
                 o = o + plgpu.load(a_smem.at[u], layout=WG) * cs_b
             # every warp's plain loads of the slot done, and fenced against the async proxy,
@@ -256,13 +266,16 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
             part_body,
             grid=(nsteps,),
             in_specs=[  # acc [S, D, 16]: block c's 64 channels of ``step`` splits
-                plgpu.BlockSpec((step, TILE, NPAD), lambda i: (i, ci, 0)),
-                plgpu.BlockSpec((2 * step, NPAD), lambda i: (i, 0)),
+                plgpu.BlockSpec((step, TILE, cols), lambda i: (i, ci, 0)),
+                plgpu.BlockSpec((2 * step, cols), lambda i: (i, 0)),
             ],
             max_concurrent_steps=depth,
             init_carry=(m, lsum, o),
         )
-        m, lsum, o = part_pipe(acc_ref.at[bi, hi], ml_ref.at[bi, hi])  # [S, D, 16], [S * 2, 16]
+        # acc [S, D, cols] (8 columns: the first of two 8-column groups), ml [S * 2, 16]
+        row = bi * h + hi
+        acc_row = acc_ref.at[row] if cols == NPAD else acc_ref.at[row, :, :, 0]
+        m, lsum, o = part_pipe(acc_row, ml_ref.at[row])
         if final is None:
             store_output(o, lsum, o_smem, out_ref.at[bi, hi, ci])
         else:
@@ -290,14 +303,14 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
         out_type, final_scratch = jax.ShapeDtypeStruct((b, h, nmt, TILE, NPAD), f32), []
     else:
         out_type = jax.ShapeDtypeStruct((b, h, g, d), out_dtype)
-        final_scratch = [plgpu.SMEM((NPAD, TILE), out_dtype)]
+        final_scratch = [plgpu.SMEM((cols, TILE), out_dtype)]
     fn = plgpu.kernel(
         kernel,
         # its name in profiles and ncu -k
         kernel_name="oscar_decode_int2_ring_merge" if has_ring else "oscar_decode_split_merge",
         out_type=out_type,
         scratch_types=[
-            plgpu.SMEM((TILE, NPAD), f32),
+            plgpu.SMEM((TILE, cols), f32),
             *ring_scratch,
             *final_scratch,
             *(make_scratch if has_ring else []),
@@ -311,7 +324,12 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     ring = ((q_ring_t, k_res, v_res, nq.astype(jnp.int32), lengths.astype(jnp.int32))
             if has_ring else ())  # fmt: skip
     fl = (flags.astype(jnp.int32),) if has_flags else ()
-    return fn(acc.reshape(b, h, s, d, NPAD), ml.reshape(b, h, s * 2, NPAD), *fl, *ring)
+    # (b, h) flattened and, for 8 columns, the 16 split in two groups: TMA strides at most 5
+    # dimensions, and Mosaic tiles a box of 8 f32 columns (8, 8), so 8 of 16 columns of the
+    # same array would take a sixth
+    acc = acc.reshape(b * h, s, d, NPAD) if cols == NPAD else \
+        acc.reshape(b * h, s, d, NPAD // cols, cols)  # fmt: skip
+    return fn(acc, ml.reshape(b * h, s * 2, NPAD), *fl, *ring)
 
 
 def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
@@ -353,10 +371,13 @@ def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, 
         make_query = (cfg.ring_query, query_scale(softmax_scale, d))
     merge_ring = (None,) * 5 if ring_in_kernel else (*ring[:3], nq, ring[3])
     step = merge_step_for(cfg.merge_step, acc.shape[2])
+    cols = cfg.merge_columns if ring_in_kernel else NPAD  # the ring's wgmma has 16 columns
+    if cols != NPAD:
+        step += step % 2  # (m, l) slots of 64 step bytes: 128-byte aligned for TMA
     final = (g, jnp.dtype(out_dtype or q.dtype), flags, poison)
     return int2_merge_ring(acc, ml, *merge_ring, auto_barriers=cfg.auto_barriers, step=step,
                            final=final, stages=cfg.merge_stages, nq_of=nq_of,
-                           make_query=make_query, pdl=cfg.pdl)  # fmt: skip
+                           make_query=make_query, pdl=cfg.pdl, columns=cols)  # fmt: skip
 
 
 def int2_decode_attention_1launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
