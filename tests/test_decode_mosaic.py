@@ -666,7 +666,7 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, pdl
 @pytest.mark.parametrize("splits,merge_step,final", [
     (33, 8, jnp.bfloat16), (1, 8, jnp.float32), (12, 3, jnp.float16),
 ])  # fmt: skip
-def test_split_merge_of_8_columns_equals_16(splits, merge_step, final):
+def test_split_merge_of_8_columns_lowers_and_equals_16(splits, merge_step, final):
     """``merge_columns=8``: the split merge reads heads 0-7 of the partials only (half the
     bytes; the step made even, so every (m, l) slot stays 128-byte aligned, which the
     fixture checks). Lowered for sm_90 and, interpreted, bit-equal to the 16-column merge
@@ -976,7 +976,7 @@ def _mosaic_launches(hlo: str) -> list[str]:
     ("fused_mosaic", "warp", 2), ("mosaic", "warp", 2), ("mosaic", "wgmma", 2),
     ("single", "warp", 1), ("xla", "warp", 1),
 ])  # fmt: skip
-def test_pdl_marks_every_launch_of_the_call(merge, kernel, launches):
+def test_pdl_lowers_with_every_launch_marked(merge, kernel, launches):
     """``pdl=True``: every Mosaic launch of the call waits on the one before it in the kernel
     (``griddepcontrol.wait``), which also makes Mosaic launch it with programmatic stream
     serialization (``mosaic_gpu.uses_pdl``), and the partials kernels release the next
