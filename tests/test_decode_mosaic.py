@@ -669,8 +669,8 @@ def test_split_merge_lowers_and_runs_interpreted(splits, merge_step, stages, pdl
 def test_split_merge_of_8_columns_lowers_and_equals_16(splits, merge_step, final):
     """``merge_columns=8``: the split merge reads heads 0-7 of the partials only (half the
     bytes; the step made even, so every (m, l) slot stays 128-byte aligned, which the
-    fixture checks). Lowered for sm_90 and, interpreted, bit-equal to the 16-column merge
-    on the g = 5 heads stored; a poisoned row NaN."""
+    fixture checks). Lowered for sm_90 and, interpreted, bit-equal to the 16-column merge of
+    the same step on the g = 5 heads stored; a poisoned row NaN."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     rng = np.random.default_rng(100 + splits)
@@ -691,7 +691,8 @@ def test_split_merge_of_8_columns_lowers_and_equals_16(splits, merge_step, final
     even = step + step % 2
     merge(8, even).trace(acc, ml).lower(lowering_platforms=("cuda",))
     with plgpu.force_gpu_interpret_mode():
-        got, want = merge(8, even)(acc, ml), merge(mk.NPAD, step)(acc, ml)
+        # the same (even) step: the same order of the online max's updates
+        got, want = merge(8, even)(acc, ml), merge(mk.NPAD, even)(acc, ml)
     assert np.all(np.isnan(np.asarray(got[0], np.float32)))
     np.testing.assert_array_equal(_bits(got), _bits(want))
     with pytest.raises(ValueError, match="merge_columns=8 must be 16, or 8"):
@@ -1316,8 +1317,9 @@ class TestMosaicGPU:
         """``pdl=True`` and ``merge_columns=8`` compiled: four calls chained in one program,
         each one's query the previous one's output scaled by an XLA op, so every partials
         launch reads what the launch (or fusion) just before it wrote and a PDL wait in the
-        wrong place would read stale data; equal bit for bit to the call without the knobs,
-        whose first call is the reference's."""
+        wrong place would read stale data; equal bit for bit to the call without the knobs
+        (the 8-column merge: within tolerance, its step may differ), whose first call is the
+        reference's."""
         b = len(lengths)
         c = _cache(13, b, lengths, max_len=max(lengths) + 512, rotate_values=False,
                    layout="record")  # fmt: skip
@@ -1337,7 +1339,13 @@ class TestMosaicGPU:
             return np.asarray(jax.jit(run)(q0, c).astype(jnp.float32))
 
         got, want = chain(dataclasses.replace(base, **knobs)), chain(base)
-        np.testing.assert_array_equal(got, want)
+        if "merge_columns" in knobs and merge == "fused_mosaic":
+            # its step made even (7 splits a step -> 8) regroups the online max's updates:
+            # float32 rounding, then bfloat16's, may differ, so within the dtype's tolerance
+            err = float(np.max(np.abs(got - want)))
+            assert err <= tol("bfloat16")["max_rel"] * float(np.max(np.abs(want))), err
+        else:
+            np.testing.assert_array_equal(got, want)
         ref = oj.decode_attention(q0, c, implementation="xla").astype(jnp.float32) * 3.0
         err = float(jnp.max(jnp.abs(want[0] - ref)))
         assert err <= tol("bfloat16")["max_rel"] * float(jnp.max(jnp.abs(ref))), err
