@@ -273,9 +273,8 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
             init_carry=(m, lsum, o),
         )
         # acc [S, D, cols] (8 columns: the first of two 8-column groups), ml [S * 2, 16]
-        row = bi * h + hi
-        acc_row = acc_ref.at[row] if cols == NPAD else acc_ref.at[row, :, :, 0]
-        m, lsum, o = part_pipe(acc_row, ml_ref.at[row])
+        acc_row = acc_ref.at[bi, hi] if cols == NPAD else acc_ref.at[bi * h + hi, :, :, 0]
+        m, lsum, o = part_pipe(acc_row, ml_ref.at[bi, hi])
         if final is None:
             store_output(o, lsum, o_smem, out_ref.at[bi, hi, ci])
         else:
@@ -324,12 +323,12 @@ def int2_merge_ring(acc, ml, q_ring_t, k_res, v_res, nq, lengths, *, auto_barrie
     ring = ((q_ring_t, k_res, v_res, nq.astype(jnp.int32), lengths.astype(jnp.int32))
             if has_ring else ())  # fmt: skip
     fl = (flags.astype(jnp.int32),) if has_flags else ()
-    # (b, h) flattened and, for 8 columns, the 16 split in two groups: TMA strides at most 5
-    # dimensions, and Mosaic tiles a box of 8 f32 columns (8, 8), so 8 of 16 columns of the
+    # 8 columns: (b, h) flattened and the 16 split in two groups, because TMA strides at most
+    # 5 dimensions and Mosaic tiles a box of 8 f32 columns (8, 8), so 8 of 16 columns of the
     # same array would take a sixth
-    acc = acc.reshape(b * h, s, d, NPAD) if cols == NPAD else \
+    acc = acc.reshape(b, h, s, d, NPAD) if cols == NPAD else \
         acc.reshape(b * h, s, d, NPAD // cols, cols)  # fmt: skip
-    return fn(acc, ml.reshape(b * h, s * 2, NPAD), *fl, *ring)
+    return fn(acc, ml.reshape(b, h, s * 2, NPAD), *fl, *ring)
 
 
 def int2_decode_attention_2launch(q, q_rot, rec, kn, nq, k_res, v_res, lengths, *,
